@@ -1,0 +1,110 @@
+"""The surgery training loop: cached tensors in, a trained DomainSurgery out (DESIGN §3).
+
+The models are frozen and their hidden states cached, so a step is a few small matmuls (plus two
+vocabulary-sized ones per chunk for ``kl``). Full batch unless ``batch_size`` is given.
+"""
+
+import logging
+from typing import List, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from .losses import ENTROPY_WEIGHTED, LOSSES, DEFAULT_CHUNK, surgery_loss
+from .surgery import DomainSurgery
+
+LOG = logging.getLogger(__name__)
+
+
+def _check_inputs(surgery, merged, target, mask, position_ids, entropy, loss):
+    if loss not in LOSSES:
+        raise ValueError(f"loss: unknown loss {loss!r}; choose one of {LOSSES}")
+    if merged.dim() != 3:
+        raise ValueError(f"merged: expected [N, T, H], got shape {tuple(merged.shape)}")
+    if merged.shape[-1] != surgery.hidden_size:
+        raise ValueError(
+            f"merged: hidden size {merged.shape[-1]} does not match the surgery module's {surgery.hidden_size}"
+        )
+    if tuple(target.shape) != tuple(merged.shape):
+        raise ValueError(f"target: shape {tuple(target.shape)} does not match merged {tuple(merged.shape)}")
+    for name, tensor in (("mask", mask), ("position_ids", position_ids), ("entropy", entropy)):
+        if tensor is not None and tuple(tensor.shape) != tuple(merged.shape[:2]):
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} does not match [N, T] = {tuple(merged.shape[:2])}"
+            )
+    if loss in ENTROPY_WEIGHTED and entropy is None:
+        raise ValueError(f"loss {loss!r} needs the expert's per-position entropy (entropy=...)")
+
+
+def train_surgery(
+    surgery: DomainSurgery,
+    merged: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    entropy: Optional[torch.Tensor] = None,
+    loss: str = "ewl1",
+    steps: int = 500,
+    lr: float = 1e-3,
+    batch_size: Optional[int] = None,
+    seed: int = 0,
+    *,
+    expert_head: Optional[torch.Tensor] = None,
+    merged_head: Optional[torch.Tensor] = None,
+    kl_chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = False,
+    desc: str = "surgery",
+) -> List[float]:
+    """Train ``surgery`` in place with Adam(lr, betas 0.9/0.999, no weight decay); per-step losses.
+
+    merged / target: [N, T, H] final hidden states of the merged model and of the expert (any float
+    dtype; each batch is promoted to float32). mask: [N, T], true at real tokens. position_ids:
+    [N, T]. entropy: [N, T] expert entropies (ewl1/ewmse). ``kl`` needs ``expert_head`` and
+    ``merged_head`` ([V, H]). The module moves to ``merged.device``.
+    """
+    _check_inputs(surgery, merged, target, mask, position_ids, entropy, loss)
+    if steps < 0:
+        raise ValueError(f"steps: must be >= 0, got {steps}")
+    if lr <= 0:
+        raise ValueError(f"lr: must be positive, got {lr}")
+    n = merged.shape[0]
+    if batch_size is not None and batch_size <= 0:
+        raise ValueError(f"batch_size: must be positive, got {batch_size}")
+    device = merged.device
+    surgery.to(device).train()
+    optimizer = torch.optim.Adam(surgery.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    full_batch = batch_size is None or batch_size >= n
+
+    def batch_slice(tensor, index):
+        if tensor is None:
+            return None
+        return tensor if index is None else tensor[index.to(tensor.device)]
+
+    order = None
+    cursor = 0
+    history: List[float] = []
+    for _ in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
+        index = None
+        if not full_batch:
+            if order is None or cursor + batch_size > n:
+                order, cursor = torch.randperm(n, generator=generator), 0
+            index = order[cursor:cursor + batch_size]
+            cursor += batch_size
+        h = batch_slice(merged, index).float()
+        corrected = surgery(h, batch_slice(position_ids, index))
+        value = surgery_loss(
+            loss, corrected, batch_slice(target, index), batch_slice(mask, index),
+            entropy=batch_slice(entropy, index),
+            expert_head=expert_head, merged_head=merged_head,
+            head_correction=surgery.head_correction if surgery.head_rank > 0 else None,
+            chunk_size=kl_chunk_size,
+        )
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        optimizer.step()
+        history.append(float(value.detach()))
+    surgery.eval()
+    if history:
+        LOG.info("%s: loss %.5f -> %.5f after %d steps", desc, history[0], history[-1], steps)
+    return history
