@@ -7,6 +7,7 @@ Defaults are the paper's. Unknown keys are errors, and every error names its pat
 import re
 from typing import Any, Dict, List, Literal, Optional
 
+import click
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 METHODS = ("darts", "standard")
@@ -15,8 +16,14 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DOMAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class SurgeryConfigError(ValueError):
-    """A ``surgery:`` block (or what it points at) is invalid; the message names the field."""
+class SurgeryConfigError(click.ClickException, ValueError):
+    """A ``surgery:`` block (or what it points at) is invalid; the message names the field.
+
+    A ClickException so that an unchanged ``mergekit-yaml`` (a click command) prints it as one
+    ``Error: ...`` line and exits non-zero; library callers still get a ValueError.
+    """
+
+    exit_code = 2
 
 
 class _Strict(BaseModel):

@@ -1,0 +1,99 @@
+"""The ``mergekit-darts`` command line (click, like mergekit's own scripts)."""
+
+import json
+import logging
+
+import click
+from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
+
+from .config import SurgeryConfigError
+
+
+@click.group("mergekit-darts")
+@click.version_option(package_name="mergekit-darts")
+def main():
+    """DARTS representation surgery for mergekit merges.
+
+    An unchanged `mergekit-yaml cfg.yml out/` already runs the surgery: block of cfg.yml; these
+    commands are for running the steps explicitly and inspecting the result.
+    """
+
+
+def _read(config_file: str) -> str:
+    try:
+        with open(config_file, "r", encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise click.BadParameter(f"cannot read {config_file!r}: {error.strerror}", param_hint="CONFIG_FILE")
+
+
+@main.command("run", cls=PrettyPrintHelp)
+@click.argument("config_file", metavar="CONFIG_FILE")
+@click.argument("out_path", metavar="OUT_PATH")
+@add_merge_options
+def run_command(merge_options: MergeOptions, config_file: str, out_path: str):
+    """Merge CONFIG_FILE into OUT_PATH, then run its surgery: block (like mergekit-yaml)."""
+    from .pipeline import merge_and_repair, parse_config_source
+
+    merge_options.apply_global_options()
+    source = _read(config_file)
+    _, surgery = parse_config_source(source)
+    if surgery is None:
+        raise SurgeryConfigError(f"{config_file}: no surgery: block; use mergekit-yaml for a plain merge")
+    merge_and_repair(source, out_path, options=merge_options)
+    click.echo(f"Repaired merge written to {out_path}")
+
+
+@main.command("surgery", cls=PrettyPrintHelp)
+@click.argument("config_file", metavar="CONFIG_FILE")
+@click.argument("out_path", metavar="MERGED_PATH")
+@add_merge_options
+def surgery_command(merge_options: MergeOptions, config_file: str, out_path: str):
+    """Run only the surgery: block of CONFIG_FILE on an existing merged directory MERGED_PATH."""
+    from .pipeline import run_surgery
+
+    merge_options.apply_global_options()
+    report = run_surgery(_read(config_file), out_path, options=merge_options)
+    for name, entry in report["domains"].items():
+        bias = entry["bias"]
+        click.echo(f"{name}: held-out bias {bias['mean_before']:.4f} -> {bias['mean_after']:.4f}")
+    click.echo(f"Surgery written to {out_path}")
+
+
+@main.command("info")
+@click.argument("out_path", metavar="OUT_PATH")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def info_command(out_path: str, as_json: bool):
+    """Domains, experts, parameter counts and report summary of a repaired directory."""
+    from .export import read_darts_info
+
+    info = read_darts_info(out_path)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for key, value in info.items():
+        if isinstance(value, dict):
+            click.echo(f"{key}:")
+            for sub_key, sub_value in value.items():
+                click.echo(f"  {sub_key}: {sub_value}")
+        else:
+            click.echo(f"{key}: {value}")
+
+
+def _add_optional_commands() -> None:
+    """Commands that live with their feature (demo, evaluation); absent features stay absent."""
+    for module_name, attribute in (
+        ("mergekit_darts.demo.cli", "demo_command"),
+        ("mergekit_darts.eval_cli", "eval_command"),
+        ("mergekit_darts.eval_cli", "compare_command"),
+        ("mergekit_darts.eval_cli", "report_command"),
+    ):
+        try:
+            module = __import__(module_name, fromlist=[attribute])
+        except ImportError as error:
+            logging.getLogger(__name__).debug("command %s unavailable: %s", attribute, error)
+            continue
+        main.add_command(getattr(module, attribute))
+
+
+_add_optional_commands()
