@@ -23,6 +23,16 @@ def test_identity_at_init(method):
     assert torch.equal(s.content(h), torch.zeros_like(h))
 
 
+def test_head_correction_is_zero_at_init():
+    torch.manual_seed(0)
+    s = DomainSurgery(hidden_size=32, rank=4, max_positions=8, head_rank=3, vocab_size=50)
+    h = torch.randn(2, 5, 32)
+    assert torch.equal(s(h, positions(2, 5)), h)
+    assert torch.equal(s.head_correction(h), torch.zeros(2, 5, 50))
+    assert DomainSurgery(hidden_size=32, rank=4).head_correction(h) is None
+    assert set(s.state_dict()) == {"down.weight", "up.weight", "position_bias", "head_down.weight", "head_up.weight"}
+
+
 def test_parameter_counts_and_state_dict():
     h, r, t = 64, 16, 512
     darts = DomainSurgery(hidden_size=h, rank=r, max_positions=t, method="darts")
