@@ -118,7 +118,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progre
         if domain.calibration.chat_template:
             texts = apply_chat_template(texts, tokenizer)
         specs.append(DomainCaptureSpec(name=name, expert=domain.model, texts=texts,
-                                       continue_tokens=domain.calibration.continue_tokens))
+                                       continue_tokens=domain.calibration.continue_tokens,
+                                       add_special_tokens=not domain.calibration.chat_template))
     captured = capture_domains(
         out_path, specs, surgery.max_positions, dtype=surgery.dtype, device=device,
         batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir, trust_remote_code=trust,
