@@ -1,7 +1,6 @@
 """The ``mergekit-darts`` command line (click, like mergekit's own scripts)."""
 
 import json
-import logging
 
 import click
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
@@ -80,20 +79,8 @@ def info_command(out_path: str, as_json: bool):
             click.echo(f"{key}: {value}")
 
 
-def _add_optional_commands() -> None:
-    """Commands that live with their feature (demo, evaluation); absent features stay absent."""
-    for module_name, attribute in (
-        ("mergekit_darts.demo.cli", "demo_command"),
-        ("mergekit_darts.eval_cli", "eval_command"),
-        ("mergekit_darts.eval_cli", "compare_command"),
-        ("mergekit_darts.eval_cli", "report_command"),
-    ):
-        try:
-            module = __import__(module_name, fromlist=[attribute])
-        except ImportError as error:
-            logging.getLogger(__name__).debug("command %s unavailable: %s", attribute, error)
-            continue
-        main.add_command(getattr(module, attribute))
+from .eval_cli import compare_command, eval_command, report_command  # noqa: E402
 
-
-_add_optional_commands()
+main.add_command(eval_command)
+main.add_command(compare_command)
+main.add_command(report_command)
