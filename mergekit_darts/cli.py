@@ -66,17 +66,25 @@ def info_command(out_path: str, as_json: bool):
     """Domains, experts, parameter counts and report summary of a repaired directory."""
     from .export import read_darts_info
 
-    info = read_darts_info(out_path)
+    try:
+        info = read_darts_info(out_path)
+    except (OSError, ValueError) as error:
+        raise click.ClickException(str(error)) from None
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
     for key, value in info.items():
-        if isinstance(value, dict):
-            click.echo(f"{key}:")
-            for sub_key, sub_value in value.items():
-                click.echo(f"  {sub_key}: {sub_value}")
-        else:
+        if key != "domains":
             click.echo(f"{key}: {value}")
+    for name, entry in info.get("domains", {}).items():
+        line = f"domain {name}: expert {entry.get('expert')}, {entry.get('parameters', 0):,} parameters"
+        calibration = entry.get("calibration")
+        if calibration:
+            line += f", calibration {calibration.get('train')} train / {calibration.get('held_out')} held-out"
+        bias = entry.get("bias")
+        if bias and bias.get("mean_before") is not None:
+            line += f", held-out bias {bias['mean_before']:.4f} -> {bias['mean_after']:.4f}"
+        click.echo(line)
 
 
 from .eval_cli import compare_command, eval_command, report_command  # noqa: E402
