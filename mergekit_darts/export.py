@@ -182,8 +182,9 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         f"- Added parameters: {added:,} ({100.0 * added / max(merged, 1):.3f}% of the merged model's {merged:,})",
         f"- Default domain: `{default_domain}`",
         "",
-        "| Domain | Expert | Calibration (train / held-out) | Final loss | Held-out bias before → after |",
-        "|---|---|---|---|---|",
+        "| Domain | Expert | Calibration (train / held-out) | Final loss | Held-out bias before → after "
+        "| Held-out KL to expert before → after |",
+        "|---|---|---|---|---|---|",
     ]
     for name, expert in domains.items():
         info = by_domain.get(name, {})
@@ -191,7 +192,9 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         bias = info.get("bias") or {}
         sizes = f"{_fmt(calib.get('train'))} / {_fmt(calib.get('held_out'))}" if calib else "–"
         change = f"{_fmt(bias.get('mean_before'))} → {_fmt(bias.get('mean_after'))}" if bias else "–"
-        lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {change} |")
+        kl = info.get("held_out_kl") or {}
+        kl_change = f"{_fmt(kl.get('before'))} → {_fmt(kl.get('after'))}" if kl else "–"
+        lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {change} | {kl_change} |")
     example = next(iter(domains))
     lines += [
         "",

@@ -169,9 +169,10 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progre
             held["merged"].float(), held["target"].float(), held["mask"], held["position_ids"],
             held["entropy"], corrected, max_positions=surgery.max_positions,
         )
-        if surgery.loss == "kl" or surgery.head_rank > 0:
-            entry["held_out_kl"] = _held_out_kl(module, held, data.expert_head, captured.merged_head,
-                                                surgery.kl_chunk_size)
+        # whatever the training loss, report how much of the expert's next-token distribution the
+        # correction recovers: the quantity that decides generation (DESIGN §3, kl)
+        entry["held_out_kl"] = _held_out_kl(module, held, data.expert_head, captured.merged_head,
+                                            surgery.kl_chunk_size)
         report["domains"][name] = entry
         LOG.info("domain %s: held-out bias %.4f -> %.4f", name, entry["bias"]["mean_before"],
                  entry["bias"]["mean_after"])
@@ -195,7 +196,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progre
 
 @torch.no_grad()
 def _held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str, float]:
-    """KL(expert || merged) before and after the correction on held-out positions."""
+    """Mean KL(expert || merged) before and after the correction on held-out positions, and the
+    share of that gap the correction closes (1 = the expert's distribution, 0 = the plain merge)."""
     from .losses import kl_loss
 
     mask = held["mask"].bool()
@@ -205,7 +207,8 @@ def _held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str
     corrected = module(merged, held["position_ids"])[mask]
     head = module.head_correction if module.head_rank > 0 else None
     after = kl_loss(corrected, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size)
-    return {"before": float(before), "after": float(after)}
+    gap_closed = 1.0 - float(after) / float(before) if float(before) > 0 else None
+    return {"before": float(before), "after": float(after), "gap_closed": gap_closed}
 
 
 def _settings(surgery: SurgeryConfig, seed: int) -> Dict[str, Any]:
