@@ -26,7 +26,7 @@ from .losses import token_entropy
 LOG = logging.getLogger(__name__)
 
 # Bump when what is captured (or how it is stored) changes: old cache entries then stop matching.
-CAPTURE_VERSION = 1
+CAPTURE_VERSION = 2
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "mergekit_darts")
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.jinja", "*.tiktoken"]
 
@@ -255,6 +255,9 @@ class _ModelSlot:
             )
             if next(model.parameters()).device != self.ctx.device:
                 model = model.to(self.ctx.device)
+            if hasattr(model, "set_darts_domain"):
+                # a directory repaired before, loaded with remote code: capture the plain merge
+                model.set_darts_domain("none")
             self.model = model.eval().requires_grad_(False)
         return self.model
 
@@ -506,16 +509,23 @@ def _pad(rows: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor
 
 def _model_identity(model_dir: str) -> dict:
     """What makes a model's outputs: its path, config.json content, and its weight files' sizes and
-    mtimes (cheap; rewriting the weights changes the mtime, so a re-merge is never served stale)."""
-    config = os.path.join(model_dir, "config.json")
-    with open(config, "rb") as handle:
-        config_hash = hashlib.sha256(handle.read()).hexdigest()
+    mtimes (cheap; rewriting the weights changes the mtime, so a re-merge is never served stale).
+
+    The parts a surgery export adds or renames (darts entries of config.json, darts.safetensors,
+    the index, model.safetensors renamed to a shard: os.replace keeps size and mtime) are left out,
+    so repairing a directory again reuses its capture.
+    """
+    with open(os.path.join(model_dir, "config.json"), "rb") as handle:
+        config = json.loads(handle.read())
+    for key in ("darts", "darts_domain", "auto_map", "architectures"):
+        config.pop(key, None)
+    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     weights = []
     for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+        if name.endswith(".safetensors") and name != "darts.safetensors":
             stat = os.stat(os.path.join(model_dir, name))
-            weights.append([name, stat.st_size, stat.st_mtime_ns])
-    return {"path": os.path.realpath(model_dir), "config": config_hash, "weights": weights}
+            weights.append([stat.st_size, stat.st_mtime_ns])
+    return {"path": os.path.realpath(model_dir), "config": config_hash, "weights": sorted(weights)}
 
 
 def _key(role: str, identity: dict, dtype: torch.dtype, ids: Optional[List[List[int]]] = None, **extra) -> str:
