@@ -1,0 +1,226 @@
+"""The demo end to end: data → tiny family → mergekit YAML → merge + surgery → ablations → Table 1.
+
+``run_demo(workdir, seed)`` goes through the same code path as ``mergekit-yaml`` (the pipeline's
+``merge_and_repair``), then re-runs only the surgery for each ablation (``run_surgery`` with
+overrides; hidden states are cached on disk, so each rerun is a few seconds) and scores every
+variant on the held-out test sets with greedy decoding.
+"""
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import tasks
+from .evaluate import score_model
+from .family import FAMILY_VERSION, THREADS, FamilySpec, build_family
+
+MAIN = ("darts_ewl1", "DARTS + EWL1", {"method": "darts", "loss": "ewl1"})
+ABLATIONS = [
+    ("standard_l1", "Standard surgery + L1", {"method": "standard", "loss": "l1"}),
+    ("standard_ewl1", "Standard + EWL1 (ablation)", {"method": "standard", "loss": "ewl1"}),
+    ("darts_l1", "DARTS + L1 (ablation)", {"method": "darts", "loss": "l1"}),
+    ("darts_kl", "DARTS + KL (beyond the paper)", {"method": "darts", "loss": "kl"}),
+]
+
+
+@dataclass(frozen=True)
+class DemoSizes:
+    family: FamilySpec = field(default_factory=FamilySpec)
+    test: int = 100
+    calib: int = 50
+    merge_weight: float = 0.5
+    rank: int = 16
+    surgery_steps: int = 500
+    continue_tokens: int = 0
+
+    @classmethod
+    def quick(cls) -> "DemoSizes":
+        return cls(family=FamilySpec.quick(), test=24, calib=50, surgery_steps=100)
+
+
+def write_jsonl(path: str, rows: List[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def make_data(workdir: str, seed: int, sizes: DemoSizes):
+    """Generate the splits, write calib_<domain>.jsonl (+ test/train jsonl under data/)."""
+    splits = {d: tasks.make_splits(d, seed, train=sizes.family.train_examples, calib=sizes.calib,
+                                   test=sizes.test) for d in tasks.DOMAINS}
+    os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
+    for domain, parts in splits.items():
+        write_jsonl(os.path.join(workdir, f"calib_{domain}.jsonl"), parts["calib"])
+        for name in ("train", "test"):
+            write_jsonl(os.path.join(workdir, "data", f"{domain}_{name}.jsonl"), parts[name])
+    return splits
+
+
+def merge_yaml(workdir: str, paths: Dict[str, str], seed: int, sizes: DemoSizes) -> str:
+    lines = ["merge_method: task_arithmetic", f"base_model: {paths['base']}", "models:"]
+    for domain in tasks.DOMAINS:
+        lines += [f"  - model: {paths[domain]}", f"    parameters: {{weight: {sizes.merge_weight}}}"]
+    lines += [
+        "dtype: float32",
+        "surgery:",
+        "  method: darts",
+        "  loss: ewl1",
+        f"  rank: {sizes.rank}",
+        f"  max_positions: {sizes.family.seq_len}",
+        f"  steps: {sizes.surgery_steps}",
+        "  lr: 1.0e-3",
+        f"  seed: {seed}",
+        "  device: cpu",
+        "  dtype: float32",
+        "  capture_batch_size: 25",
+        f"  cache_dir: {os.path.join(workdir, 'capture_cache')}",
+        "  default_domain: math",
+        "  domains:",
+    ]
+    for domain in tasks.DOMAINS:
+        calib = os.path.join(workdir, f"calib_{domain}.jsonl")
+        extra = f", continue_tokens: {sizes.continue_tokens}" if sizes.continue_tokens else ""
+        lines += [f"    {domain}:", f"      model: {paths[domain]}",
+                  f"      calibration: {{path: {calib}, field: prompt, samples: {sizes.calib}{extra}}}"]
+    return "\n".join(lines) + "\n"
+
+
+def _load(path: str, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.eval()
+
+
+def score_surgery(out: str, tokenizer, test, domains) -> Dict[str, float]:
+    """Each domain scored with its own correction active (one load, switched at run time)."""
+    model = _load(out, trust_remote_code=True, darts_domain=domains[0])
+    scores = {}
+    for domain in domains:
+        model.set_darts_domain(domain)
+        scores.update(score_model(model, tokenizer, test, [domain]))
+    return scores
+
+
+def run_demo(workdir: str = "./darts_demo", seed: int = 0, quick: bool = False,
+             sizes: Optional[DemoSizes] = None, progress: bool = True,
+             log: Callable[[str], None] = print) -> dict:
+    """Build (or reuse) the family, merge + repair, run the ablations, score, write the table."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return _run_demo(workdir, seed, quick, sizes, progress, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
+    from mergekit.options import MergeOptions
+    from transformers import AutoTokenizer
+
+    from ..pipeline import merge_and_repair, run_surgery
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sizes = sizes or (DemoSizes.quick() if quick else DemoSizes())
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    timings: Dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def tick(name):
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = round(now - clock, 1)
+        clock = now
+
+    splits = make_data(workdir, seed, sizes)
+    words = tasks.vocabulary(splits.values())
+    paths = build_family(os.path.join(workdir, "family"), splits, words, seed=seed, spec=sizes.family,
+                         progress=progress, log=log)
+    tick("family")
+
+    config = merge_yaml(workdir, paths, seed, sizes)
+    config_path = os.path.join(workdir, "demo.yml")
+    with open(config_path, "w") as f:
+        f.write(config)
+    out = os.path.join(workdir, "merged")
+    shutil.rmtree(out, ignore_errors=True)
+    log(f"merging with mergekit and running the surgery ({config_path} -> {out})")
+    options = MergeOptions(quiet=not progress, random_seed=seed)
+    reports = {MAIN[0]: merge_and_repair(config, out, options=options)}
+    tick("merge+surgery")
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    test = {d: splits[d]["test"] for d in tasks.DOMAINS}
+    domains = list(tasks.DOMAINS)
+    rows: Dict[str, Dict[str, float]] = {}
+    labels: Dict[str, str] = {}
+    samples: Dict[str, dict] = {}
+
+    for name in ["base", *domains]:
+        key = "base" if name == "base" else f"expert_{name}"
+        labels[key] = "Base model" if name == "base" else f"Expert: {name}"
+        log(f"scoring {labels[key]}")
+        samples[key] = {}
+        rows[key] = score_model(_load(paths[name]), tokenizer, test, samples=samples[key])
+    merged = _load(out, trust_remote_code=True, darts_domain="none")
+    labels["merged"] = "Merged (task arithmetic)"
+    log(f"scoring {labels['merged']}")
+    samples["merged"] = {}
+    rows["merged"] = score_model(merged, tokenizer, test, samples=samples["merged"])
+    del merged
+    tick("score experts+merged")
+
+    for key, label, overrides in [MAIN, *ABLATIONS]:
+        if key != MAIN[0]:
+            log(f"surgery: {label}")
+            reports[key] = run_surgery(config, out, overrides=overrides, options=options, progress=progress)
+        if key == MAIN[0]:
+            for extra in ("darts_bias.png", "darts_report.json"):
+                if os.path.exists(os.path.join(out, extra)):
+                    shutil.copy(os.path.join(out, extra), os.path.join(workdir, extra))
+        labels[key] = label
+        log(f"scoring {label}")
+        rows[key] = score_surgery(out, tokenizer, test, domains)
+    tick("ablations+scoring")
+    # leave the output directory with the main configuration (cheap: the capture is cached)
+    run_surgery(config, out, options=options, progress=progress)
+    tick("restore main")
+
+    for scores in rows.values():
+        scores["average"] = sum(scores[d] for d in domains) / len(domains)
+    result = {
+        "seed": seed, "quick": quick, "family_version": FAMILY_VERSION, "sizes": asdict(sizes),
+        "test_examples": {d: len(test[d]) for d in domains}, "rows": rows, "labels": labels,
+        "surgery_losses": {k: {d: e.get("final_loss") for d, e in r["domains"].items()} for k, r in reports.items()},
+        "bias": {k: {d: [e["bias"]["mean_before"], e["bias"]["mean_after"]] for d, e in r["domains"].items()}
+                 for k, r in reports.items()},
+        "samples": samples, "timings_s": timings, "output_dir": out, "config": config_path,
+    }
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    table = markdown_table(result, domains)
+    with open(os.path.join(workdir, "results.md"), "w") as f:
+        f.write(table)
+    log("\n" + table)
+    return result
+
+
+def markdown_table(result: dict, domains: List[str]) -> str:
+    head = "| Model | " + " | ".join(domains) + " | Average |"
+    lines = [
+        f"Held-out accuracy (%), greedy decoding; {', '.join(f'{d}: {n} problems' for d, n in result['test_examples'].items())}.",
+        "math = exact match of `#### n`; code = hidden tests pass in a sandbox (pass@1); instruct = exact match.",
+        "",
+        head,
+        "|" + "---|" * (len(domains) + 2),
+    ]
+    for key, scores in result["rows"].items():
+        cells = " | ".join(f"{scores[d]:.1f}" for d in domains)
+        lines.append(f"| {result['labels'][key]} | {cells} | {scores['average']:.1f} |")
+    return "\n".join(lines) + "\n"
