@@ -138,3 +138,13 @@ def test_sandbox_runs_in_a_fresh_temp_dir(tmp_path, monkeypatch):
 def test_sandbox_limits_file_size():
     result = run_program("open('big', 'w').write('y' * (8 << 20))\n")
     assert not result.passed
+
+
+def test_sandbox_early_exit_and_output_flood_are_not_passes():
+    from mergekit_darts.demo.sandbox import run_program
+
+    assert run_program("import os\nos._exit(0)\nassert False").passed is False
+    assert run_program("import posix\nposix._exit(0)").passed is False
+    flood = run_program("while True:\n    print('x' * 10000)", timeout=3)
+    assert flood.passed is False and len(flood.output) < 10_000
+    assert run_program("print('hi')\nassert 1 + 1 == 2").passed is True

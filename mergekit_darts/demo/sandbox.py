@@ -18,6 +18,7 @@ error, exception, memory limit, killed by a signal).
 """
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,6 +31,8 @@ _EXIT_FAILED, _EXIT_ERROR = 3, 4
 PRELUDE = r'''
 import builtins, faulthandler, os, platform, resource, shutil, subprocess, sys
 faulthandler.disable()
+_nonce = sys.stdin.readline().strip()
+_write_fd = os.write
 _program = sys.stdin.read()
 _memory, _cpu = int(sys.argv[1]) * 1024 * 1024, int(sys.argv[2])
 for _limit, _value in ((resource.RLIMIT_AS, _memory), (resource.RLIMIT_DATA, _memory),
@@ -60,6 +63,10 @@ for _name in ("ipdb", "joblib", "resource", "psutil", "tkinter", "ctypes", "_cty
 del _mod, _name, _limit, _value
 try:
     exec(compile(_program, "<program>", "exec"), {"__name__": "__main__"})
+    sys.stdout.flush()
+    # only a program that ran to its end writes this (to fd 1, whatever sys.stdout became):
+    # an early os._exit(0) is not a pass
+    _write_fd(1, ("\n" + _nonce).encode())
 except AssertionError as _error:
     sys.stdout.flush()
     print("failed: AssertionError", _error, file=sys.stderr)
@@ -82,28 +89,39 @@ class ExecutionResult:
 
 def run_program(program: str, timeout: float = 5.0, memory_mb: int = 512) -> ExecutionResult:
     """Execute ``program`` in a sandboxed subprocess; never raises for anything the program does."""
-    with tempfile.TemporaryDirectory(prefix="darts_sandbox_") as workdir:
+    nonce = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="darts_sandbox_") as workdir, \
+            tempfile.TemporaryFile() as output_file:
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                "OMP_NUM_THREADS": "1", "HOME": workdir, "TMPDIR": workdir}
         try:
+            # output goes to a file, not a pipe, so RLIMIT_FSIZE bounds what a printing loop can write
             process = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", PRELUDE, str(int(memory_mb)), str(max(1, int(timeout) + 1))],
-                cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=output_file,
                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
             )
         except OSError as error:
             return ExecutionResult(False, "error", f"could not start the sandbox: {error}")
+        timed_out = False
         try:
-            out, _ = process.communicate(program.encode("utf-8", "replace"), timeout=timeout)
+            process.communicate((nonce + "\n" + program).encode("utf-8", "replace"), timeout=timeout)
         except subprocess.TimeoutExpired:
+            timed_out = True
             _kill(process)
-            out, _ = process.communicate()
-            return ExecutionResult(False, "timeout", _text(out) + f"\ntimed out after {timeout:g}s")
+            process.wait()
         finally:
             _kill(process)
-        output = _text(out)
-        if process.returncode == 0:
+        output_file.seek(0)
+        raw = output_file.read(1 << 21)
+        finished = raw.rstrip().endswith(nonce.encode())
+        output = _text(raw.replace(("\n" + nonce).encode(), b""))
+        if timed_out:
+            return ExecutionResult(False, "timeout", output + f"\ntimed out after {timeout:g}s")
+        if process.returncode == 0 and finished:
             return ExecutionResult(True, "passed", output)
+        if process.returncode == 0:
+            return ExecutionResult(False, "error", output + "\nexited before the tests finished")
         if process.returncode == _EXIT_FAILED:
             return ExecutionResult(False, "failed", output)
         if process.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
