@@ -1,0 +1,118 @@
+"""Small helpers shared by the benchmark scripts: machine info, medians, tables, JSON output.
+
+Every figure the benchmarks report is a ratio of two quantities measured in the same run,
+interleaved and repeated (the machines these run on are shared and noisy), so the helpers here
+are about pairing measurements and summarising them with medians.
+"""
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def machine_info() -> Dict[str, object]:
+    import torch
+
+    info: Dict[str, object] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        info["load_average"] = os.getloadavg()
+    except OSError:  # pragma: no cover
+        pass
+    return info
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+CLOCKS = {
+    # wall: what a user waits. cpu: CPU seconds this process used (all its threads); on a shared,
+    # oversubscribed machine it leaves out the time spent waiting for a core, so ratios of CPU
+    # times are much steadier than ratios of wall times. Use wall on a GPU (the CPU mostly waits).
+    "wall": time.perf_counter,
+    "cpu": time.process_time,
+}
+
+
+def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None, clock: str = "wall") -> float:
+    """Seconds of one call of ``fn`` on ``clock`` (``sync`` e.g. torch.cuda.synchronize before each read)."""
+    now = CLOCKS[clock]
+    sync()
+    start = now()
+    fn()
+    sync()
+    return now() - start
+
+
+def interleaved(variants: Dict[str, Callable[[], object]], repeats: int,
+                sync: Callable[[], None] = lambda: None, clock: str = "wall") -> Dict[str, List[float]]:
+    """Time each variant ``repeats`` times, interleaved (ABAB…, order flipped every round so neither
+    variant always runs right after the other); returns name -> list of seconds, one per round."""
+    names = list(variants)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        order = names if round_index % 2 == 0 else names[::-1]
+        for name in order:
+            times[name].append(timed(variants[name], sync, clock))
+    return times
+
+
+def paired_ratio(numerator: List[float], denominator: List[float]) -> Dict[str, float]:
+    """Median, min and max of per-round ratios numerator[i] / denominator[i]."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    return {"median": median(ratios), "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) if cells else len(str(h)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    sys.stdout.flush()
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        if value == 0 or 1e-3 <= abs(value) < 1e5:
+            return f"{value:.4g}" if abs(value) < 10 else f"{value:.1f}"
+        return f"{value:.3e}"
+    return str(value)
+
+
+def write_json(name: str, data: Dict[str, object], path: str = None) -> str:
+    path = path or os.path.join(RESULTS_DIR, f"{name}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2)
+        handle.write("\n")
+    print(f"\nwrote {path}")
+    return path
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,215 @@
+"""Generation overhead of the surgery: tokens/s with a domain active vs darts_domain="none".
+
+Builds a random Llama shaped like a small real LLM, exports random non-zero surgery modules into
+it with ``export_surgery`` (so the directory is exactly what ``mergekit-yaml`` writes), loads it
+once with ``trust_remote_code=True`` and times greedy ``generate`` (KV cache on) with
+
+* ``darts``: a domain active (norm hook + surgery on every forward),
+* ``none``:  the same loaded model after ``set_darts_domain("none")``,
+* ``plain``: the same directory loaded without remote code (plain LlamaForCausalLM), as a check
+  that the hooks cost nothing when no domain is active (``--no-plain`` skips it).
+
+The variants are interleaved (ABC CBA ...) and repeated; the figure is the median over rounds of
+tokens/s(darts) / tokens/s(none) measured in the same round. Target: >= 0.98.
+On CPU the default clock is the process's CPU time (``--clock cpu``) with one torch thread: on a
+shared, oversubscribed machine wall time mostly measures the neighbours; tokens/s are then tokens
+per CPU-second. On cuda the clock is wall time (with synchronisation).
+
+    python benchmarks/bench_generation.py                     # CPU default (~2 min on 2 cores)
+    python benchmarks/bench_generation.py --hidden 2048 --layers 8 --new-tokens 128 --repeats 10 --device cuda
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import interleaved, log, machine_info, median, paired_ratio, print_table, write_json  # noqa: E402
+
+# Llama-2-7B: hidden 4096, vocab 32000, 6,738,415,616 parameters (paper setting; for the share column)
+LLAMA2_7B = {"hidden": 4096, "params": 6_738_415_616}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-positions", type=int, default=512)
+    p.add_argument("--domains", type=int, default=3, help="surgery modules exported (one is active)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds per batch size (after 1 warm-up)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: far steadier than 2 on a shared 2-core machine)")
+    p.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                   help="cpu: process CPU seconds (default on cpu: steady on a shared machine); wall (default on cuda)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-plain", action="store_true", help="skip the plain LlamaForCausalLM variant")
+    p.add_argument("--workdir", default=None, help="where to build the model (default: a temp dir)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_generation.json)")
+    return p.parse_args(argv)
+
+
+def build_model_dir(path: str, args) -> dict:
+    """Random Llama + random non-zero surgery modules exported into ``path``; returns parameter counts."""
+    from mergekit_darts.export import export_surgery
+    from mergekit_darts.surgery import DomainSurgery, count_parameters
+    from mergekit_darts.tiny import make_random_model
+
+    model = make_random_model(
+        path, hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab,
+        max_position_embeddings=max(2048, args.prompt_len + args.new_tokens),
+    )
+    model_params = sum(p.numel() for p in model.parameters())
+    del model
+    torch.manual_seed(0)
+    modules = {}
+    for index in range(args.domains):
+        module = DomainSurgery(args.hidden, rank=args.rank, max_positions=args.max_positions, method="darts")
+        with torch.no_grad():  # non-zero everywhere, small enough to keep generation sane
+            module.up.weight.normal_(0.0, 0.02)
+            module.position_bias.normal_(0.0, 0.02)
+        modules[f"d{index}"] = module
+    meta = {"method": "darts", "loss": "ewl1", "rank": args.rank, "head_rank": 0,
+            "max_positions": args.max_positions, "domains": {name: f"expert-{name}" for name in modules}}
+    export_surgery(path, modules, meta, default_domain="d0")
+    per_domain = count_parameters(modules["d0"])
+    return {"model_params": model_params, "per_domain": per_domain, "domains": args.domains}
+
+
+def load(path: str, args, remote: bool):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # the plain load lists the darts.* tensors as unexpected: expected
+    dtype = getattr(torch, args.dtype)
+    kwargs = dict(trust_remote_code=True, darts_domain="d0") if remote else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(args.device).eval()
+    return model
+
+
+def generate_fn(model, input_ids, new_tokens, domain=None):
+    attention_mask = torch.ones_like(input_ids)
+
+    def run():
+        if domain is not None:
+            model.set_darts_domain(domain)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=3,
+            )
+        assert out.shape[1] == input_ids.shape[1] + new_tokens
+        return out
+
+    return run
+
+
+def bench_batch(darts_model, plain_model, batch: int, args) -> dict:
+    generator = torch.Generator().manual_seed(batch)
+    input_ids = torch.randint(4, args.vocab, (batch, args.prompt_len), generator=generator).to(args.device)
+    variants = {
+        "darts": generate_fn(darts_model, input_ids, args.new_tokens, domain="d0"),
+        "none": generate_fn(darts_model, input_ids, args.new_tokens, domain="none"),
+    }
+    if plain_model is not None:
+        variants["plain"] = generate_fn(plain_model, input_ids, args.new_tokens)
+    # the surgery must actually change something, or the comparison is meaningless
+    out_darts, out_none = variants["darts"](), variants["none"]()
+    changed = float((out_darts[:, args.prompt_len:] != out_none[:, args.prompt_len:]).float().mean())
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    for fn in variants.values():  # warm-up
+        fn()
+    times = interleaved(variants, args.repeats, sync, args.clock)
+    tokens = batch * args.new_tokens
+    result = {
+        "batch": batch,
+        "tokens_per_round": tokens,
+        "tokens_per_s": {name: median([tokens / t for t in ts]) for name, ts in times.items()},
+        "seconds": times,
+        # tokens/s ratio = inverse time ratio, paired per round
+        "ratio_darts_over_none": paired_ratio(times["none"], times["darts"]),
+        "greedy_tokens_changed_by_surgery": changed,
+    }
+    if "plain" in times:
+        result["ratio_none_over_plain"] = paired_ratio(times["plain"], times["none"])
+        result["ratio_darts_over_plain"] = paired_ratio(times["plain"], times["darts"])
+    return result
+
+
+def parameter_shares(counts: dict, args) -> dict:
+    per_domain = counts["per_domain"]
+    total = per_domain * counts["domains"]
+    paper_per_domain = 2 * args.rank * LLAMA2_7B["hidden"] + args.max_positions * LLAMA2_7B["hidden"]
+    return {
+        "model_params": counts["model_params"],
+        "added_per_domain": per_domain,
+        "added_all_domains": total,
+        "share_per_domain": per_domain / counts["model_params"],
+        "share_all_domains": total / counts["model_params"],
+        "formula": "2*rank*hidden + max_positions*hidden per domain",
+        "llama2_7b_same_settings": {
+            "added_per_domain": paper_per_domain,
+            "share_all_domains": paper_per_domain * counts["domains"] / LLAMA2_7B["params"],
+        },
+    }
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.clock = args.clock or ("wall" if args.device.startswith("cuda") else "cpu")
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        path = os.path.join(tmp, "model")
+        log(f"building random model hidden={args.hidden} layers={args.layers} vocab={args.vocab}")
+        counts = build_model_dir(path, args)
+        darts_model = load(path, args, remote=True)
+        assert type(darts_model).__name__.startswith("Darts"), type(darts_model)
+        plain_model = None if args.no_plain else load(path, args, remote=False)
+        results = []
+        for batch in args.batch:
+            log(f"batch {batch}: {args.repeats} interleaved rounds of {args.new_tokens} new tokens")
+            results.append(bench_batch(darts_model, plain_model, batch, args))
+
+    shares = parameter_shares(counts, args)
+    header = ["batch", "tok/s darts", "tok/s none", "darts/none (median)", "min..max"]
+    if not args.no_plain:
+        header += ["tok/s plain", "none/plain"]
+    rows = []
+    for r in results:
+        ratio = r["ratio_darts_over_none"]
+        row = [r["batch"], r["tokens_per_s"]["darts"], r["tokens_per_s"]["none"], ratio["median"],
+               f"{ratio['min']:.3f}..{ratio['max']:.3f}"]
+        if not args.no_plain:
+            row += [r["tokens_per_s"]["plain"], r["ratio_none_over_plain"]["median"]]
+        rows.append(row)
+    print_table(
+        f"Generation throughput, greedy + KV cache, hidden {args.hidden}, {args.layers} layers, vocab "
+        f"{args.vocab}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.device}/{args.dtype}, "
+        f"{torch.get_num_threads()} thread(s), {args.repeats} interleaved rounds, {args.clock} clock",
+        header, rows,
+    )
+    print_table("Added parameters", ["", "count", "share of model"], [
+        ["per domain (this model)", shares["added_per_domain"], f"{100 * shares['share_per_domain']:.3f}%"],
+        [f"{args.domains} domains (this model)", shares["added_all_domains"],
+         f"{100 * shares['share_all_domains']:.3f}%"],
+        [f"{args.domains} domains at Llama-2-7B shape", shares["llama2_7b_same_settings"]["added_per_domain"] * args.domains,
+         f"{100 * shares['llama2_7b_same_settings']['share_all_domains']:.3f}%"],
+    ])
+    write_json("bench_generation", {
+        "benchmark": "generation", "target": "tokens/s(darts) / tokens/s(none) >= 0.98",
+        "settings": vars(args), "machine": machine_info(), "parameters": shares, "results": results,
+    }, args.out)
+
+
+if __name__ == "__main__":
+    main()
