@@ -137,7 +137,9 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progre
             "merged": data.merged_hidden, "target": data.expert_hidden, "mask": data.attention_mask,
             "position_ids": data.position_ids, "entropy": data.expert_entropy,
         }
+        # promote the cached (often bfloat16) states once, not at every step
         train = {k: v[train_idx].to(train_device) for k, v in tensors.items()}
+        train["merged"], train["target"] = train["merged"].float(), train["target"].float()
         torch.manual_seed(seed)
         module = DomainSurgery(
             hidden_size=data.merged_hidden.shape[-1], rank=surgery.rank, max_positions=surgery.max_positions,
