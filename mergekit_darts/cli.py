@@ -87,8 +87,10 @@ def info_command(out_path: str, as_json: bool):
         click.echo(line)
 
 
+from .demo.cli import demo_command  # noqa: E402
 from .eval_cli import compare_command, eval_command, report_command  # noqa: E402
 
+main.add_command(demo_command)
 main.add_command(eval_command)
 main.add_command(compare_command)
 main.add_command(report_command)

@@ -1,7 +1,5 @@
 """The demo's synthetic domains (generators, scorers) and the code sandbox."""
 
-import os
-
 import pytest
 
 from mergekit_darts.demo import tasks

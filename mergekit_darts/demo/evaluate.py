@@ -40,10 +40,13 @@ def score_completions(domain: str, examples: List[dict], completions: List[str])
 
 
 def score_model(model, tokenizer, test: Dict[str, List[dict]], domains: Optional[List[str]] = None,
-                samples: Optional[Dict[str, list]] = None) -> Dict[str, float]:
+                samples: Optional[Dict[str, list]] = None, progress: bool = False,
+                desc: str = "scoring") -> Dict[str, float]:
     """Accuracy (%) per domain; ``samples`` (if given) collects a few (prompt, completion, ok)."""
+    from tqdm.auto import tqdm
+
     scores = {}
-    for domain in domains or list(test):
+    for domain in tqdm(domains or list(test), desc=desc, disable=not progress, leave=False):
         examples = test[domain]
         completions = generate(model, tokenizer, [ex["prompt"] for ex in examples], tasks.MAX_NEW_TOKENS[domain])
         ok = score_completions(domain, examples, completions)

@@ -36,11 +36,11 @@ class DemoSizes:
     merge_weight: float = 0.5
     rank: int = 16
     surgery_steps: int = 500
-    continue_tokens: int = 0
+    continue_calibration: bool = True  # calibrate on prompt + the expert's greedy answer
 
     @classmethod
     def quick(cls) -> "DemoSizes":
-        return cls(family=FamilySpec.quick(), test=24, calib=50, surgery_steps=100)
+        return cls(family=FamilySpec.quick(), test=50, calib=50, surgery_steps=200)
 
 
 def write_jsonl(path: str, rows: List[dict]) -> None:
@@ -84,7 +84,7 @@ def merge_yaml(workdir: str, paths: Dict[str, str], seed: int, sizes: DemoSizes)
     ]
     for domain in tasks.DOMAINS:
         calib = os.path.join(workdir, f"calib_{domain}.jsonl")
-        extra = f", continue_tokens: {sizes.continue_tokens}" if sizes.continue_tokens else ""
+        extra = f", continue_tokens: {tasks.MAX_NEW_TOKENS[domain]}" if sizes.continue_calibration else ""
         lines += [f"    {domain}:", f"      model: {paths[domain]}",
                   f"      calibration: {{path: {calib}, field: prompt, samples: {sizes.calib}{extra}}}"]
     return "\n".join(lines) + "\n"
@@ -97,13 +97,13 @@ def _load(path: str, **kwargs):
     return model.eval()
 
 
-def score_surgery(out: str, tokenizer, test, domains) -> Dict[str, float]:
+def score_surgery(out: str, tokenizer, test, domains, progress: bool = False) -> Dict[str, float]:
     """Each domain scored with its own correction active (one load, switched at run time)."""
     model = _load(out, trust_remote_code=True, darts_domain=domains[0])
     scores = {}
     for domain in domains:
         model.set_darts_domain(domain)
-        scores.update(score_model(model, tokenizer, test, [domain]))
+        scores.update(score_model(model, tokenizer, test, [domain], progress=progress, desc=f"scoring {domain}"))
     return scores
 
 
@@ -167,12 +167,14 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
         labels[key] = "Base model" if name == "base" else f"Expert: {name}"
         log(f"scoring {labels[key]}")
         samples[key] = {}
-        rows[key] = score_model(_load(paths[name]), tokenizer, test, samples=samples[key])
+        rows[key] = score_model(_load(paths[name]), tokenizer, test, samples=samples[key],
+                                progress=progress, desc=labels[key])
     merged = _load(out, trust_remote_code=True, darts_domain="none")
     labels["merged"] = "Merged (task arithmetic)"
     log(f"scoring {labels['merged']}")
     samples["merged"] = {}
-    rows["merged"] = score_model(merged, tokenizer, test, samples=samples["merged"])
+    rows["merged"] = score_model(merged, tokenizer, test, samples=samples["merged"], progress=progress,
+                                 desc=labels["merged"])
     del merged
     tick("score experts+merged")
 
@@ -186,7 +188,7 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
                     shutil.copy(os.path.join(out, extra), os.path.join(workdir, extra))
         labels[key] = label
         log(f"scoring {label}")
-        rows[key] = score_surgery(out, tokenizer, test, domains)
+        rows[key] = score_surgery(out, tokenizer, test, domains, progress=progress)
     tick("ablations+scoring")
     # leave the output directory with the main configuration (cheap: the capture is cached)
     run_surgery(config, out, options=options, progress=progress)

@@ -163,7 +163,7 @@ NOUNS = ["cat", "dog", "sun", "tree", "fish", "bird", "cup", "hat", "car", "box"
 
 
 def _instruct_example(rng: random.Random) -> dict:
-    words = rng.sample(NOUNS, rng.randint(3, 6))
+    words = rng.sample(NOUNS, rng.randint(2, 4))
     kind = rng.randrange(6)
     if kind == 0:
         task, answer = "reverse the words", list(reversed(words))
