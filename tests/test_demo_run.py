@@ -94,6 +94,9 @@ def test_reduced_demo_end_to_end(tmp_path):
     with open(os.path.join(workdir, "results.md")) as f:
         table = f.read()
     assert "| DARTS + EWL1 |" in table and "| Merged (task arithmetic) |" in table
+    assert "next-token KL gap" in table
+    gaps = result["kl_gap_closed"][MAIN[0]]
+    assert set(gaps) == set(tasks.DOMAINS) and all(g is None or g <= 1.0 for g in gaps.values())
     # the output directory is left with the main configuration and loads as a DARTS model
     with open(os.path.join(workdir, "merged", "config.json")) as f:
         config = json.load(f)

@@ -202,6 +202,9 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
         "surgery_losses": {k: {d: e.get("final_loss") for d, e in r["domains"].items()} for k, r in reports.items()},
         "bias": {k: {d: [e["bias"]["mean_before"], e["bias"]["mean_after"]] for d, e in r["domains"].items()}
                  for k, r in reports.items()},
+        # share of the held-out KL(expert || merged) gap each correction closes, per domain
+        "kl_gap_closed": {k: {d: e["held_out_kl"]["gap_closed"] for d, e in r["domains"].items()}
+                          for k, r in reports.items()},
         "samples": samples, "timings_s": timings, "output_dir": out, "config": config_path,
     }
     with open(os.path.join(workdir, "results.json"), "w") as f:
@@ -225,4 +228,17 @@ def markdown_table(result: dict, domains: List[str]) -> str:
     for key, scores in result["rows"].items():
         cells = " | ".join(f"{scores[d]:.1f}" for d in domains)
         lines.append(f"| {result['labels'][key]} | {cells} | {scores['average']:.1f} |")
+    gaps = result.get("kl_gap_closed") or {}
+    if gaps:
+        lines += [
+            "",
+            "Share of the held-out next-token KL gap (expert vs plain merge) each correction closes, on held-out "
+            "calibration records (1 = the expert's distribution, 0 = the plain merge, < 0 = further away):",
+            "",
+            "| Surgery | " + " | ".join(domains) + " |",
+            "|" + "---|" * (len(domains) + 1),
+        ]
+        for key, per_domain in gaps.items():
+            cells = " | ".join("–" if per_domain.get(d) is None else f"{per_domain[d]:.2f}" for d in domains)
+            lines.append(f"| {result['labels'][key]} | {cells} |")
     return "\n".join(lines) + "\n"
