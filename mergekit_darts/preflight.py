@@ -8,7 +8,6 @@ import logging
 from .config import SurgeryConfig, SurgeryConfigError
 
 LOG = logging.getLogger(__name__)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def _load_config(path: str, where: str, trust_remote_code: bool):
@@ -33,11 +32,15 @@ def _check_calibration(surgery: SurgeryConfig, seed: int) -> None:
 
 def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust_remote_code: bool,
                    check_vocab: bool = True) -> None:
-    model_type = getattr(reference, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    from .modeling_darts import DARTS_CLASSES
+
+    architecture = (getattr(reference, "architectures", None) or [None])[0]
+    if architecture and architecture.startswith("Darts"):
+        architecture = architecture[len("Darts"):]  # a directory repaired before
+    if architecture not in DARTS_CLASSES:
         raise SurgeryConfigError(
-            f"surgery: the merged model's architecture {model_type!r} ({reference_name}) is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"surgery: the merged model's architecture {architecture!r} ({reference_name}) is not supported; "
+            f"supported: {', '.join(sorted(DARTS_CLASSES))}"
         )
     if surgery.max_positions > getattr(reference, "max_position_embeddings", surgery.max_positions):
         LOG.warning("surgery.max_positions=%d exceeds the model's max_position_embeddings=%d",

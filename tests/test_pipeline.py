@@ -71,3 +71,13 @@ def test_surgery_needs_a_merged_directory(tiny_family, tmp_path):
         run_surgery(_config(tiny_family, tmp_path), str(tmp_path / "missing"))
     with pytest.raises(SurgeryConfigError, match="surgery"):
         run_surgery(merge_yaml(tiny_family), str(tmp_path))
+
+
+def test_unsupported_architecture_is_rejected_before_any_work(tiny_family, merged_copy, tmp_path):
+    config_path = f"{merged_copy}/config.json"
+    config = json.loads(open(config_path).read())
+    config["architectures"] = ["LlamaForSequenceClassification"]
+    open(config_path, "w").write(json.dumps(config))
+    with pytest.raises(SurgeryConfigError, match="LlamaForSequenceClassification.*not supported.*LlamaForCausalLM"):
+        run_surgery(_config(tiny_family, tmp_path), merged_copy)
+    assert not (tmp_path / "cache").exists()
