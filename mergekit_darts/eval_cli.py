@@ -103,11 +103,29 @@ def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, out
         click.echo(f"results written to {path}")
 
 
+def _groups(value: str) -> Dict[str, Dict[str, str]]:
+    from .config import LOSSES, METHODS
+
+    groups = {}
+    for item in (part.strip() for part in value.split(",") if part.strip()):
+        method, _, loss = item.partition("+")
+        if method not in METHODS or loss not in LOSSES:
+            raise click.BadParameter(
+                f"{item!r}: expected METHOD+LOSS with METHOD in {METHODS} and LOSS in {LOSSES}",
+                param_hint="--groups")
+        groups[item] = {"method": method, "loss": loss}
+    if len(groups) < 2:
+        raise click.BadParameter("give at least two groups to compare", param_hint="--groups")
+    return groups
+
+
 @click.command("compare", cls=PrettyPrintHelp)
 @click.argument("config_file", metavar="CONFIG_FILE")
 @click.argument("out_path", metavar="MERGED_PATH")
 @click.option("--seeds", type=int, default=6, show_default=True, help="Calibration seeds per group.")
 @click.option("--first-seed", type=int, default=0, show_default=True)
+@click.option("--groups", default="standard+l1,darts+ewl1", show_default=True,
+              help="Comma-separated METHOD+LOSS groups to compare, e.g. standard+l1,darts+ewl1,darts+kl.")
 @click.option("--demo", is_flag=True, help="Score with the offline demo family's test sets.")
 @click.option("--demo-seed", type=int, default=0, show_default=True, help="Seed of the demo's test splits.")
 @_compare_eval_options
@@ -116,8 +134,8 @@ def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, out
               help="Retrain the config's own surgery at the end so MERGED_PATH matches CONFIG_FILE.")
 @add_merge_options
 def compare_command(merge_options: MergeOptions, config_file: str, out_path: str, seeds: int, first_seed: int,
-                    demo: bool, demo_seed: int, tasks: str, json_path: str, restore: bool, **kwargs):
-    """Standard surgery + L1 vs DARTS + EWL1 over several calibration seeds (the paper's Table 4).
+                    groups: str, demo: bool, demo_seed: int, tasks: str, json_path: str, restore: bool, **kwargs):
+    """Surgery variants over several calibration seeds (the paper's Table 4: standard + L1 vs DARTS + EWL1).
 
     \b
     Trains both on MERGED_PATH once per seed (hidden states are cached, so reruns only train),
@@ -141,7 +159,7 @@ def compare_command(merge_options: MergeOptions, config_file: str, out_path: str
     else:
         scorer = heldout_scorer
     result = run_compare(source, out_path, seeds=seeds, first_seed=first_seed, scorer=scorer,
-                         restore=restore, options=merge_options, log=click.echo)
+                         groups=_groups(groups), restore=restore, options=merge_options, log=click.echo)
     with open(json_path, "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2)
     click.echo("\n" + compare_table(result))

@@ -122,3 +122,19 @@ def test_compare_command_on_the_tiny_family(tiny_family, tmp_path):
     report = runner.invoke(report_command, [str(out)])  # restored surgery has a report to render
     assert report.exit_code == 0, report.output
     assert "math" in report.output and (out / "darts_bias.png").exists()
+
+
+def test_compare_groups_option_parses_method_and_loss():
+    import click
+
+    from mergekit_darts.eval_cli import _groups
+
+    assert _groups("standard+l1, darts+kl") == {
+        "standard+l1": {"method": "standard", "loss": "l1"}, "darts+kl": {"method": "darts", "loss": "kl"}}
+    for bad in ("darts+huber,standard+l1", "magic+l1,darts+l1", "darts+l1"):
+        try:
+            _groups(bad)
+        except click.BadParameter as error:
+            assert "--groups" in str(error.param_hint)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
