@@ -116,7 +116,7 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progre
     for name, domain in surgery.domains.items():
         texts = load_calibration_texts(domain.calibration, seed, where=f"surgery.domains.{name}.calibration")
         if domain.calibration.chat_template:
-            texts = apply_chat_template(texts, tokenizer)
+            texts = apply_chat_template(texts, tokenizer, where=f"surgery.domains.{name}.calibration.chat_template")
         specs.append(DomainCaptureSpec(name=name, expert=domain.model, texts=texts,
                                        continue_tokens=domain.calibration.continue_tokens,
                                        add_special_tokens=not domain.calibration.chat_template))
