@@ -223,3 +223,29 @@ def test_wheels_install_the_startup_file(tmp_path, version):
         assert "mergekit_darts_hook.pth" in names
         line = archive.read("mergekit_darts_hook.pth").decode().strip()
     assert line.startswith("import mergekit_darts._startup")
+
+
+def test_normal_install_runs_the_hook(tmp_path):
+    """A regular (non-editable) wheel install, in a fresh virtualenv, wraps mergekit's run_merge."""
+    import sysconfig
+
+    from hatchling.builders.wheel import WheelBuilder
+
+    wheel = next(WheelBuilder(str(REPO)).build(directory=str(tmp_path / "dist"), versions=["standard"]))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    target_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    # the dependencies come from this environment's site-packages, appended as a plain path (its
+    # .pth files, including this checkout's editable hook, are not processed there)
+    Path(target_site, "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    install = _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                    "-q", wheel], cwd=tmp_path)
+    assert install.returncode == 0, install.stderr[-2000:]
+    assert Path(target_site, "mergekit_darts_hook.pth").is_file()
+    code = ("import mergekit_darts, mergekit.merge; "
+            "print(mergekit_darts.__file__); print(hasattr(mergekit.merge.run_merge, '__mergekit_darts_original__'))")
+    result = _run([str(python), "-c", code], cwd=tmp_path)
+    location, wrapped = result.stdout.split()
+    assert location.startswith(target_site) and wrapped == "True", result.stdout + result.stderr
