@@ -81,6 +81,7 @@ class DartsMixin:
         self._darts_call = None  # (surgery, position_ids) while a forward with an active domain runs
         self.model.norm.register_forward_hook(self._darts_norm_hook)
         self.lm_head.register_forward_hook(self._darts_head_hook)
+        self._darts_hooked_head_id = id(self.lm_head)
         self.set_darts_domain(getattr(self.config, "darts_domain", None) or NONE_DOMAIN)
 
     def _init_weights(self, module):
@@ -143,10 +144,23 @@ class DartsMixin:
         corrected = surgery(output.to(weight_device), position_ids.to(weight_device))
         return corrected.to(device)
 
+    def set_output_embeddings(self, new_embeddings):
+        # resize_token_embeddings swaps the LM head: the head correction must follow it
+        super().set_output_embeddings(new_embeddings)
+        if id(new_embeddings) != getattr(self, "_darts_hooked_head_id", None):  # same module: hooked already
+            new_embeddings.register_forward_hook(self._darts_head_hook)
+            self._darts_hooked_head_id = id(new_embeddings)  # an id, not the module: no extra submodule
+
     def _darts_head_hook(self, module, args, output):
         if self._darts_call is None or self._darts_call[0].head_rank == 0:
             return output
         surgery = self._darts_call[0]
+        if surgery.head_up.weight.shape[0] != output.shape[-1]:
+            raise ValueError(
+                f"darts: the head correction of domain {self._darts_domain!r} was trained for a vocabulary "
+                f"of {surgery.head_up.weight.shape[0]} tokens but the LM head now has {output.shape[-1]} "
+                "(resized embeddings?); use darts_domain='none' or retrain the surgery"
+            )
         correction = surgery.head_correction(args[0].to(surgery.head_down.weight.device))
         return (output.float() + correction.to(output.device)).to(output.dtype)
 

@@ -406,3 +406,19 @@ def test_lm_eval_harness_loads_darts_domain(darts_dir, tmp_path):
     for key, loglikelihood in uncorrected.items():
         assert loglikelihood == pytest.approx(plain[key], abs=1e-5)
     assert any(abs(corrected[k] - uncorrected[k]) > 1e-3 for k in corrected)
+
+
+def test_resized_lm_head_keeps_the_head_correction_hook(head_dir):
+    path, _ = head_dir
+    model = load(path, trust_remote_code=True)
+    ids = tokenizer_for(path)(PROMPTS[2], return_tensors="pt").input_ids
+    with torch.no_grad():
+        before = model(ids).logits
+        vocab = model.config.vocab_size
+        model.resize_token_embeddings(vocab)  # same size: a new LM head module, same weights
+        torch.testing.assert_close(model(ids).logits, before)
+        model.resize_token_embeddings(vocab + 8)
+        with pytest.raises(ValueError, match="head correction.*vocabulary"):
+            model(ids)
+        model.set_darts_domain("none")
+        assert model(ids).logits.shape[-1] == vocab + 8
