@@ -81,3 +81,20 @@ def test_unsupported_architecture_is_rejected_before_any_work(tiny_family, merge
     with pytest.raises(SurgeryConfigError, match="LlamaForSequenceClassification.*not supported.*LlamaForCausalLM"):
         run_surgery(_config(tiny_family, tmp_path), merged_copy)
     assert not (tmp_path / "cache").exists()
+
+
+def test_mergekit_options_fill_in_seed_and_device():
+    from mergekit.options import MergeOptions
+
+    from mergekit_darts.config import parse_surgery_block
+    from mergekit_darts.pipeline import effective_device, effective_seed
+
+    block = {"domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}}
+    surgery = parse_surgery_block(block)
+    assert effective_seed(surgery, MergeOptions(random_seed=7)) == 7
+    assert effective_seed(surgery, MergeOptions()) == 0
+    assert effective_seed(parse_surgery_block({**block, "seed": 3}), MergeOptions(random_seed=7)) == 3
+    assert effective_device(surgery, MergeOptions(cuda=True)) == "cuda"
+    assert effective_device(surgery, MergeOptions(device="cuda:1")) == "cuda:1"
+    assert effective_device(surgery, MergeOptions()) == "auto"
+    assert effective_device(parse_surgery_block({**block, "device": "cpu"}), MergeOptions(cuda=True)) == "cpu"
