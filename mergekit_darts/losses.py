@@ -131,8 +131,9 @@ def kl_loss(
     count = corrected.shape[0]
     if count == 0:
         raise ValueError("kl_loss: no positions")
-    expert_head = expert_head.to(corrected.device)
-    merged_head = merged_head.to(corrected.device)
+    # promote once here, not per chunk: a [V, H] conversion per chunk would dominate the step
+    expert_head = expert_head.to(corrected.device, torch.float32)
+    merged_head = merged_head.to(corrected.device, torch.float32)
     needs_grad = torch.is_grad_enabled()
     total = corrected.new_zeros((), dtype=torch.float32)
     for start in range(0, count, chunk_size):

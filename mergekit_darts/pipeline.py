@@ -126,7 +126,7 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progre
         progress=progress,
     )
     train_device = resolve_device(device)
-    merged_head = captured.merged_head.to(train_device)
+    merged_head = captured.merged_head.to(train_device, torch.float32)
 
     modules: Dict[str, DomainSurgery] = {}
     report: Dict[str, Any] = {"surgery": _settings(surgery, seed), "domains": {}}
@@ -149,7 +149,7 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progre
             module, train["merged"], train["target"], train["mask"], train["position_ids"],
             entropy=train["entropy"], loss=surgery.loss, steps=surgery.steps, lr=surgery.lr,
             batch_size=surgery.batch_size, seed=seed,
-            expert_head=data.expert_head.to(train_device) if surgery.loss == "kl" else None,
+            expert_head=data.expert_head.to(train_device, torch.float32) if surgery.loss == "kl" else None,
             merged_head=merged_head if surgery.loss == "kl" else None,
             kl_chunk_size=surgery.kl_chunk_size, progress=progress, desc=f"surgery[{name}]",
         )
