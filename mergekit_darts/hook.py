@@ -60,10 +60,18 @@ def run_merge_with_surgery(original, merge_config, out_path, options, config_sou
         print(f"mergekit-darts: merge written to {out_path}; running {surgery.method} surgery "
               f"on {len(surgery.domains)} domain(s)", file=sys.stderr)
     try:
-        return repair_directory(out_path, surgery, options=options)
+        report = repair_directory(out_path, surgery, options=options)
     except Exception:
         LOG.error(
             "Surgery failed; %s is left as the plain merged model. Fix the cause and run "
             "`mergekit-darts surgery CONFIG %s` to repair it without merging again.", out_path, out_path,
         )
         raise
+    if not options.quiet:
+        for name, entry in report["domains"].items():
+            bias, kl = entry["bias"], entry.get("held_out_kl") or {}
+            line = f"mergekit-darts: {name}: held-out bias {bias['mean_before']:.4f} -> {bias['mean_after']:.4f}"
+            if kl.get("before") is not None:
+                line += f", KL to expert {kl['before']:.4f} -> {kl['after']:.4f}"
+            print(line, file=sys.stderr)
+    return report

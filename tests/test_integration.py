@@ -74,6 +74,7 @@ def test_mergekit_yaml_runs_the_surgery_block(tiny_family, tmp_path):
     out = tmp_path / "out"
     result = _run([str(BIN / "mergekit-yaml"), str(cfg), str(out)], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "mergekit-darts: math: held-out bias" in result.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DartsLlamaForCausalLM"]
     assert config["darts_domain"] == "math"
