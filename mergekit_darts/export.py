@@ -19,15 +19,13 @@ import torch
 from safetensors.torch import save_file
 
 from . import __version__
+from .modeling_darts import DARTS_CLASSES
 from .surgery import DomainSurgery
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 MODELING_FILES = ("modeling_darts.py", "surgery.py")
-# plain architectures that modeling_darts.py wraps (kept in sync by tests/test_export.py)
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "GemmaForCausalLM", "Phi3ForCausalLM",
-)
+# plain architectures that modeling_darts.py wraps: one list, owned by the model file
+SUPPORTED_ARCHITECTURES = tuple(DARTS_CLASSES)
 DARTS_PREFIX = "Darts"
 SINGLE_WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
