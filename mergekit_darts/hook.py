@@ -53,14 +53,14 @@ def run_merge_with_surgery(original, merge_config, out_path, options, config_sou
     if surgery is None:
         original(merge_config, out_path, options, config_source, *args, **kwargs)
         return None
-    check_before_merge(surgery, merge_config, seed=effective_seed(surgery, options),
+    texts = check_before_merge(surgery, merge_config, seed=effective_seed(surgery, options),
                        trust_remote_code=bool(options.trust_remote_code))
     original(merge_config, out_path, options, config_source, *args, **kwargs)
     if not options.quiet:
         print(f"mergekit-darts: merge written to {out_path}; running {surgery.method} surgery "
               f"on {len(surgery.domains)} domain(s)", file=sys.stderr)
     try:
-        report = repair_directory(out_path, surgery, options=options)
+        report = repair_directory(out_path, surgery, options=options, texts=texts)
     except Exception:
         LOG.error(
             "Surgery failed; %s is left as the plain merged model. Fix the cause and run "

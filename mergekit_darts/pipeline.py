@@ -4,7 +4,7 @@ import copy
 import logging
 import os
 import tempfile
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import yaml
@@ -83,8 +83,9 @@ def run_surgery(
     if not os.path.isfile(os.path.join(out_path, "config.json")):
         raise SurgeryConfigError(f"{out_path}: not a merged model directory (no config.json); run the merge first")
     trust = bool(getattr(options, "trust_remote_code", False))
-    check_surgery(surgery, merged_config_path=out_path, seed=effective_seed(surgery, options), trust_remote_code=trust)
-    return repair_directory(out_path, surgery, options=options, progress=progress)
+    texts = check_surgery(surgery, merged_config_path=out_path, seed=effective_seed(surgery, options),
+                          trust_remote_code=trust)
+    return repair_directory(out_path, surgery, options=options, progress=progress, texts=texts)
 
 
 def _split_held_out(n: int, share: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +95,12 @@ def _split_held_out(n: int, share: float, seed: int) -> Tuple[torch.Tensor, torc
     return order[held:].sort().values, order[:held].sort().values
 
 
-def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progress: Optional[bool] = None) -> dict:
-    """capture → train → export on a merged directory. Atomic: on failure ``out_path`` stays a plain merge."""
+def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progress: Optional[bool] = None,
+                     texts: Optional[Dict[str, List[str]]] = None) -> dict:
+    """capture → train → export on a merged directory. Atomic: on failure ``out_path`` stays a plain merge.
+
+    ``texts``: each domain's calibration texts as the pre-merge checks loaded them (else loaded here).
+    """
     from transformers import AutoTokenizer
 
     from .calibration import apply_chat_template, load_calibration_texts
@@ -114,10 +119,11 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, options=None, progre
     tokenizer = AutoTokenizer.from_pretrained(out_path, trust_remote_code=trust)
     specs = []
     for name, domain in surgery.domains.items():
-        texts = load_calibration_texts(domain.calibration, seed, where=f"surgery.domains.{name}.calibration")
+        where = f"surgery.domains.{name}.calibration"
+        domain_texts = texts[name] if texts is not None else load_calibration_texts(domain.calibration, seed, where)
         if domain.calibration.chat_template:
-            texts = apply_chat_template(texts, tokenizer, where=f"surgery.domains.{name}.calibration.chat_template")
-        specs.append(DomainCaptureSpec(name=name, expert=domain.model, texts=texts,
+            domain_texts = apply_chat_template(domain_texts, tokenizer, where=f"{where}.chat_template")
+        specs.append(DomainCaptureSpec(name=name, expert=domain.model, texts=domain_texts,
                                        continue_tokens=domain.calibration.continue_tokens,
                                        add_special_tokens=not domain.calibration.chat_template))
     captured = capture_domains(

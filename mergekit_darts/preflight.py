@@ -5,6 +5,7 @@ is compared with the model the merge will produce (hidden size, vocabulary, arch
 """
 
 import logging
+from typing import Dict, List
 from .config import SurgeryConfig, SurgeryConfigError
 
 LOG = logging.getLogger(__name__)
@@ -23,25 +24,24 @@ def _load_config(path: str, where: str, trust_remote_code: bool):
         ) from None
 
 
-def _check_calibration(surgery: SurgeryConfig, seed: int) -> None:
+def _check_calibration(surgery: SurgeryConfig, seed: int) -> Dict[str, List[str]]:
+    """Load every domain's calibration texts; they are handed on so the surgery reads them once."""
     from .calibration import load_calibration_texts
 
-    for name, domain in surgery.domains.items():
-        load_calibration_texts(domain.calibration, seed, where=f"surgery.domains.{name}.calibration")
+    return {
+        name: load_calibration_texts(domain.calibration, seed, where=f"surgery.domains.{name}.calibration")
+        for name, domain in surgery.domains.items()
+    }
 
 
 def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust_remote_code: bool,
                    check_vocab: bool = True) -> None:
-    from .modeling_darts import DARTS_CLASSES
+    from .export import plain_architecture
 
-    architecture = (getattr(reference, "architectures", None) or [None])[0]
-    if architecture and architecture.startswith("Darts"):
-        architecture = architecture[len("Darts"):]  # a directory repaired before
-    if architecture not in DARTS_CLASSES:
-        raise SurgeryConfigError(
-            f"surgery: the merged model's architecture {architecture!r} ({reference_name}) is not supported; "
-            f"supported: {', '.join(sorted(DARTS_CLASSES))}"
-        )
+    try:
+        plain_architecture({"architectures": getattr(reference, "architectures", None)})
+    except ValueError as error:
+        raise SurgeryConfigError(f"surgery: the merged model ({reference_name}): {error}") from None
     if surgery.max_positions > getattr(reference, "max_position_embeddings", surgery.max_positions):
         LOG.warning("surgery.max_positions=%d exceeds the model's max_position_embeddings=%d",
                     surgery.max_positions, reference.max_position_embeddings)
@@ -60,9 +60,11 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
             )
 
 
-def check_before_merge(surgery: SurgeryConfig, merge_config, seed: int, trust_remote_code: bool = False) -> None:
-    """Everything checkable before ``run_merge``: calibration data and expert configs."""
-    _check_calibration(surgery, seed)
+def check_before_merge(surgery: SurgeryConfig, merge_config, seed: int,
+                       trust_remote_code: bool = False) -> Dict[str, List[str]]:
+    """Everything checkable before ``run_merge``: calibration data and expert configs.
+    Returns the calibration texts per domain (before any chat template)."""
+    texts = _check_calibration(surgery, seed)
     base = merge_config.base_model
     if base is None:
         models = merge_config.referenced_models()
@@ -73,11 +75,14 @@ def check_before_merge(surgery: SurgeryConfig, merge_config, seed: int, trust_re
     # a tokenizer: / tokenizer_source: block can change the merged vocabulary: capture checks it then
     vocab_changes = bool(getattr(merge_config, "tokenizer", None) or getattr(merge_config, "tokenizer_source", None))
     _check_experts(surgery, reference, str(base.model.path), trust_remote_code, check_vocab=not vocab_changes)
+    return texts
 
 
-def check_surgery(surgery: SurgeryConfig, merged_config_path: str, seed: int, trust_remote_code: bool = False) -> None:
+def check_surgery(surgery: SurgeryConfig, merged_config_path: str, seed: int,
+                  trust_remote_code: bool = False) -> Dict[str, List[str]]:
     """The same checks against an existing merged directory (surgery-only runs)."""
-    _check_calibration(surgery, seed)
+    texts = _check_calibration(surgery, seed)
     reference = _load_config(merged_config_path, "merged model", trust_remote_code)
     _check_experts(surgery, reference, merged_config_path, trust_remote_code)
+    return texts
 

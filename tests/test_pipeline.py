@@ -98,3 +98,14 @@ def test_mergekit_options_fill_in_seed_and_device():
     assert effective_device(surgery, MergeOptions(device="cuda:1")) == "cuda:1"
     assert effective_device(surgery, MergeOptions()) == "auto"
     assert effective_device(parse_surgery_block({**block, "device": "cpu"}), MergeOptions(cuda=True)) == "cpu"
+
+
+def test_calibration_is_read_once_per_domain(tiny_family, merged_copy, tmp_path, monkeypatch):
+    import mergekit_darts.calibration as calibration
+
+    calls = []
+    original = calibration.load_calibration_texts
+    monkeypatch.setattr(calibration, "load_calibration_texts",
+                        lambda cal, seed, where="calibration": calls.append(where) or original(cal, seed, where))
+    run_surgery(_config(tiny_family, tmp_path, steps=2), merged_copy, progress=False)
+    assert calls == ["surgery.domains.math.calibration"]
