@@ -26,23 +26,25 @@ DEFAULT_WORDS = (
 
 
 def build_tokenizer(words: Optional[Iterable[str]] = None, chat_template: bool = True):
-    """A word-level PreTrainedTokenizerFast over ``words`` (+ special tokens), whitespace split."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors
+    """A word-level PreTrainedTokenizerFast over ``words`` (+ special tokens).
+
+    It splits on whitespace only, so ``####``, ``==`` and ``(`` stay single tokens and
+    decode(encode(text)) == text for single-spaced text (no decoder: tokens are joined with spaces).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab: Dict[str, int] = {}
     for token in [*SPECIAL_TOKENS, *(words or DEFAULT_WORDS)]:
         vocab.setdefault(token, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
-    )
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        clean_up_tokenization_spaces=False,
     )
     if chat_template:
         fast.chat_template = CHAT_TEMPLATE

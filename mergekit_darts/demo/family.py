@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..tiny import SPECIAL_TOKENS, tiny_config
+from ..tiny import build_tokenizer, tiny_config
 
 FAMILY_VERSION = 2  # bump when the data or training changes: cached families are rebuilt
 # Tiny matmuls gain nothing from threads, and on a shared 2-core machine OpenMP's spin-waiting made
@@ -39,27 +39,6 @@ class FamilySpec:
     @classmethod
     def quick(cls) -> "FamilySpec":
         return cls(hidden_size=64, layers=2, base_steps=200, expert_steps=250, train_examples=1500)
-
-
-def build_tokenizer(words: List[str]):
-    """Word-level tokenizer over a closed vocabulary; splits on whitespace only, so ``####``,
-    ``==`` and ``(`` stay single tokens and decode(encode(text)) == text for single-spaced text."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab: Dict[str, int] = {}
-    for token in [*SPECIAL_TOKENS, *words]:
-        vocab.setdefault(token, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # no decoder: tokens are joined with single spaces (WordPiece's would eat a "##" prefix)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        clean_up_tokenization_spaces=False,
-    )
 
 
 def _encode(tokenizer, examples: List[dict], seq_len: int, answer_only: bool):
@@ -166,7 +145,7 @@ def build_family(root: str, splits: Dict[str, Dict[str, List[dict]]], words: Lis
     if os.path.exists(stamp_path):
         os.remove(stamp_path)
 
-    tokenizer = build_tokenizer(words)
+    tokenizer = build_tokenizer(words, chat_template=False)
     config = tiny_config("llama", vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
                          layers=spec.layers, max_position_embeddings=spec.seq_len)
     torch.manual_seed(seed)
