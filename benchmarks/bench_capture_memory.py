@@ -6,7 +6,7 @@ reports its own peak RSS (``VmHWM`` from /proc/self/status: the kernel's high-wa
 polling gaps; not ``ru_maxrss``, which on Linux inherits the parent's RSS across fork+exec).
 Modes, interleaved and repeated:
 
-* ``baseline``: the interpreter with torch, transformers and mergekit_darts.capture imported and
+* ``baseline``: the interpreter with torch, transformers and mergekit_darts.repair.capture imported and
                 one forward of a 32-wide Llama run (every mode does this first);
 * ``load``:     baseline + ``from_pretrained`` of the merged model + one forward of one capture batch
                 (the floor: what holding one model costs);
@@ -120,7 +120,7 @@ def child(args) -> dict:
     from transformers import AutoModelForCausalLM  # noqa: F401
     from transformers.utils import logging as hf_logging
 
-    from mergekit_darts.capture import DomainCaptureSpec, capture_domains
+    from mergekit_darts.repair.capture import DomainCaptureSpec, capture_domains
 
     hf_logging.set_verbosity_error()
     warm_up_runtime()
@@ -137,7 +137,7 @@ def child(args) -> dict:
             model.model(**batch)
     elif args.child == "entropy":
         # the transient of one token_entropy call at capture's batch shape (what capture adds over "load")
-        from mergekit_darts.losses import token_entropy
+        from mergekit_darts.repair.losses import token_entropy
 
         states = torch.randn(args.batch_size, args.max_positions, args.hidden)
         head = torch.randn(args.vocab, args.hidden)
@@ -178,7 +178,7 @@ def build_family(root: str, args) -> dict:
 
 
 def weight_bytes(model_dir: str) -> int:
-    from mergekit_darts.export import safetensors_header
+    from mergekit_darts.output.layout import safetensors_header
 
     total = 0
     for name in os.listdir(model_dir):

@@ -4,7 +4,7 @@ Two measurements on one small model family (the built-in demo family, ``--family
 instant random family of ``mergekit_darts.tiny``, ``--family tiny``):
 
 1. Phases, in one process. We call what ``mergekit-yaml`` calls —
-   ``hook.run_merge_with_surgery(run_merge, ...)``, the function the start-up hook puts in place of
+   ``pipeline.merge_and_repair(..., run_merge)``, what the start-up hook's wrapper runs in place of
    mergekit's ``run_merge`` — with timing wrappers around mergekit's own ``run_merge`` (merge),
    ``capture.capture_domains`` (capture: loading each model and computing hidden states and
    entropies), ``train.train_surgery`` (train: summed over the domains) and
@@ -134,11 +134,11 @@ def phases_in_process(config_source: str, out_dir: str) -> dict:
     from mergekit.config import MergeConfiguration
     from mergekit.options import MergeOptions
 
-    import mergekit_darts.capture as capture
-    import mergekit_darts.export as export
-    import mergekit_darts.train as train
+    import mergekit_darts.repair.capture as capture
+    import mergekit_darts.output.export as export
+    import mergekit_darts.repair.train as train
     from mergekit_darts import hook
-    from mergekit_darts.pipeline import parse_config_source
+    from mergekit_darts.pipeline import merge_and_repair, parse_config_source
 
     timer = PhaseTimer()
     saved = (capture.capture_domains, train.train_surgery, export.export_surgery)
@@ -152,7 +152,7 @@ def phases_in_process(config_source: str, out_dir: str) -> dict:
         options = MergeOptions(quiet=True, copy_tokenizer=True, lazy_unpickle=False)
         run_merge = timer.wrap("merge", hook.original_run_merge())
         start = time.perf_counter()
-        report = hook.run_merge_with_surgery(run_merge, merge_config, out_dir, options, config_source)
+        report = merge_and_repair(config_source, out_dir, run_merge, options=options, merge_config=merge_config)
         total = time.perf_counter() - start
     finally:
         capture.capture_domains, train.train_surgery, export.export_surgery = saved

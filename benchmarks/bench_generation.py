@@ -59,8 +59,8 @@ def parse_args(argv=None):
 
 def build_model_dir(path: str, args) -> dict:
     """Random Llama + random non-zero surgery modules exported into ``path``; returns parameter counts."""
-    from mergekit_darts.export import export_surgery
-    from mergekit_darts.surgery import DomainSurgery, count_parameters
+    from mergekit_darts.output.export import export_surgery
+    from mergekit_darts.remote_code.surgery import DomainSurgery, count_parameters
     from mergekit_darts.tiny import make_random_model
 
     model = make_random_model(
@@ -77,9 +77,7 @@ def build_model_dir(path: str, args) -> dict:
             module.up.weight.normal_(0.0, 0.02)
             module.position_bias.normal_(0.0, 0.02)
         modules[f"d{index}"] = module
-    meta = {"method": "darts", "loss": "ewl1", "rank": args.rank, "head_rank": 0,
-            "max_positions": args.max_positions, "domains": {name: f"expert-{name}" for name in modules}}
-    export_surgery(path, modules, meta, default_domain="d0")
+    export_surgery(path, modules, {name: f"expert-{name}" for name in modules}, default_domain="d0", loss="ewl1")
     per_domain = count_parameters(modules["d0"])
     return {"model_params": model_params, "per_domain": per_domain, "domains": args.domains}
 

@@ -1,6 +1,6 @@
 """Surgery training speed on cached tensors, and the speed-up over recomputing the merged model.
 
-Part 1 — steps/s of ``mergekit_darts.train.train_surgery`` (the real training loop, full batch,
+Part 1 — steps/s of ``mergekit_darts.repair.train.train_surgery`` (the real training loop, full batch,
 Adam) on random cached tensors at the paper's shapes (H=4096, T=512, N=50, rank 16), per loss:
 l1, ewl1 (hidden-state losses) and kl (vocabulary ``--kl-vocab``, its own smaller N/T by default
 because every kl step is several [positions x vocab x H] matmuls). The shapes actually run are
@@ -89,7 +89,7 @@ def sync_for(device):
 
 
 def train_fn(module, data, loss, steps, heads=None):
-    from mergekit_darts.train import train_surgery
+    from mergekit_darts.repair.train import train_surgery
 
     heads = heads or {}
 
@@ -102,7 +102,7 @@ def train_fn(module, data, loss, steps, heads=None):
 
 def bench_steps(args, device) -> list:
     """Part 1: steps/s of train_surgery per loss on ``device``."""
-    from mergekit_darts.surgery import DomainSurgery
+    from mergekit_darts.remote_code.surgery import DomainSurgery
 
     dtype = getattr(torch, args.cache_dtype)
     sync = sync_for(device)
@@ -142,7 +142,7 @@ def bench_speedup(args) -> dict:
     """Part 2: (merged forward + surgery step) / (surgery step on cached states), on CPU."""
     from transformers import AutoModelForCausalLM
 
-    from mergekit_darts.surgery import DomainSurgery
+    from mergekit_darts.remote_code.surgery import DomainSurgery
     from mergekit_darts.tiny import make_random_model
 
     h, n, t = args.speedup_hidden, args.speedup_n, args.speedup_t
@@ -184,7 +184,7 @@ def bench_speedup(args) -> dict:
 
 def threads_check(args, n=40, t=64, hidden=64, steps=100, repeats=4) -> dict:
     """Wall seconds per small ewl1 step with 1 thread vs os.cpu_count() threads, interleaved."""
-    from mergekit_darts.surgery import DomainSurgery
+    from mergekit_darts.remote_code.surgery import DomainSurgery
 
     data = cached_tensors(n, t, hidden, torch.float32, "cpu")
     many = os.cpu_count() or 1

@@ -1,29 +1,26 @@
-"""Pydantic schema of the ``surgery:`` block of a mergekit YAML (DESIGN §2).
+"""Pydantic schema of the ``surgery:`` block of a mergekit YAML (docs/design.md §2).
 
 Defaults are the paper's. Unknown keys are errors, and every error names its path in the YAML
 (``surgery.domains.math.calibration.samples: ...``) so a typo is caught before any merging starts.
 """
 
 import re
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, get_args
 
-import click
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-METHODS = ("darts", "standard")
-LOSSES = ("ewl1", "l1", "mse", "ewmse", "cosine", "kl")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+from mergekit_darts.errors import SurgeryConfigError  # noqa: F401  (re-exported: the schema's error)
+
+# Each vocabulary is defined once, as a Literal; the tuples are derived from it.
+Method = Literal["darts", "standard"]
+Loss = Literal["ewl1", "l1", "mse", "ewmse", "cosine", "kl"]
+Content = Literal["relu", "linear"]
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+METHODS = get_args(Method)
+LOSSES = get_args(Loss)
+CONTENTS = get_args(Content)
+DTYPES = get_args(Dtype)
 DOMAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class SurgeryConfigError(click.ClickException, ValueError):
-    """A ``surgery:`` block (or what it points at) is invalid; the message names the field.
-
-    A ClickException so that an unchanged ``mergekit-yaml`` (a click command) prints it as one
-    ``Error: ...`` line and exits non-zero; library callers still get a ValueError.
-    """
-
-    exit_code = 2
 
 
 class _Strict(BaseModel):
@@ -64,8 +61,9 @@ class DomainConfig(_Strict):
 
 
 class SurgeryConfig(_Strict):
-    method: Literal["darts", "standard"] = "darts"
-    loss: Literal["ewl1", "l1", "mse", "ewmse", "cosine", "kl"] = "ewl1"
+    method: Method = "darts"
+    loss: Loss = "ewl1"
+    content: Content = "relu"
     rank: int = Field(16, gt=0)
     head_rank: int = Field(0, ge=0)
     max_positions: int = Field(512, gt=0)
@@ -74,7 +72,7 @@ class SurgeryConfig(_Strict):
     batch_size: Optional[int] = Field(None, gt=0)
     seed: Optional[int] = None
     device: str = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Dtype = "auto"
     held_out: float = Field(0.2, ge=0, lt=1)
     capture_batch_size: int = Field(8, gt=0)
     kl_chunk_size: int = Field(1024, gt=0)

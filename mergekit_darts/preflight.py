@@ -6,7 +6,10 @@ is compared with the model the merge will produce (hidden size, vocabulary, arch
 
 import logging
 from typing import Dict, List
-from .config import SurgeryConfig, SurgeryConfigError
+
+from mergekit_darts.config import SurgeryConfig, SurgeryConfigError
+from mergekit_darts.errors import FormatError
+from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ def _load_config(path: str, where: str, trust_remote_code: bool):
 
 def _check_calibration(surgery: SurgeryConfig, seed: int) -> Dict[str, List[str]]:
     """Load every domain's calibration texts; they are handed on so the surgery reads them once."""
-    from .calibration import load_calibration_texts
+    from mergekit_darts.repair.calibration import load_calibration_texts
 
     return {
         name: load_calibration_texts(domain.calibration, seed, where=f"surgery.domains.{name}.calibration")
@@ -36,11 +39,11 @@ def _check_calibration(surgery: SurgeryConfig, seed: int) -> Dict[str, List[str]
 
 def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust_remote_code: bool,
                    check_vocab: bool = True) -> None:
-    from .export import plain_architecture
+    from mergekit_darts.output.layout import plain_architecture
 
     try:
         plain_architecture({"architectures": getattr(reference, "architectures", None)})
-    except ValueError as error:
+    except FormatError as error:
         raise SurgeryConfigError(f"surgery: the merged model ({reference_name}): {error}") from None
     if surgery.max_positions > getattr(reference, "max_position_embeddings", surgery.max_positions):
         LOG.warning("surgery.max_positions=%d exceeds the model's max_position_embeddings=%d",
@@ -60,11 +63,11 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
             )
 
 
-def check_before_merge(surgery: SurgeryConfig, merge_config, seed: int,
-                       trust_remote_code: bool = False) -> Dict[str, List[str]]:
+def check_before_merge(surgery: SurgeryConfig, merge_config, settings: RunSettings) -> Dict[str, List[str]]:
     """Everything checkable before ``run_merge``: calibration data and expert configs.
     Returns the calibration texts per domain (before any chat template)."""
-    texts = _check_calibration(surgery, seed)
+    trust_remote_code = settings.trust_remote_code
+    texts = _check_calibration(surgery, settings.seed)
     base = merge_config.base_model
     if base is None:
         models = merge_config.referenced_models()
@@ -78,10 +81,10 @@ def check_before_merge(surgery: SurgeryConfig, merge_config, seed: int,
     return texts
 
 
-def check_surgery(surgery: SurgeryConfig, merged_config_path: str, seed: int,
-                  trust_remote_code: bool = False) -> Dict[str, List[str]]:
+def check_surgery(surgery: SurgeryConfig, merged_config_path: str, settings: RunSettings) -> Dict[str, List[str]]:
     """The same checks against an existing merged directory (surgery-only runs)."""
-    texts = _check_calibration(surgery, seed)
+    trust_remote_code = settings.trust_remote_code
+    texts = _check_calibration(surgery, settings.seed)
     reference = _load_config(merged_config_path, "merged model", trust_remote_code)
     _check_experts(surgery, reference, merged_config_path, trust_remote_code)
     return texts

@@ -5,6 +5,8 @@ import shutil
 
 import pytest
 
+from helpers import merge_tiny
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -21,29 +23,6 @@ def tiny_family(tmp_path_factory):
     paths["merged"] = str(root / "merged")
     merge_tiny(paths, paths["merged"])
     return paths
-
-
-def merge_yaml(paths, domains=("math", "code"), dtype="float32"):
-    lines = ["merge_method: task_arithmetic", f"base_model: {paths['base']}", "models:"]
-    for domain in domains:
-        lines += [f"  - model: {paths[domain]}", "    parameters: {weight: 0.5}"]
-    lines.append(f"dtype: {dtype}")
-    return "\n".join(lines) + "\n"
-
-
-def merge_tiny(paths, out, domains=("math", "code")):
-    """Merge with mergekit's own run_merge, the hook disabled (a plain merged directory)."""
-    import yaml
-    from mergekit.config import MergeConfiguration
-    from mergekit.merge import run_merge
-    from mergekit.options import MergeOptions
-
-    text = merge_yaml(paths, domains)
-    config = MergeConfiguration.model_validate(yaml.safe_load(text))
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    run_merge(config, out, options=MergeOptions(quiet=True), config_source=text)
-    return out
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mergekit_darts import capture
-from mergekit_darts.calibration import apply_chat_template
-from mergekit_darts.capture import DomainCaptureSpec, capture_domains
+from mergekit_darts.repair import capture, models
+from mergekit_darts.repair.calibration import apply_chat_template
+from mergekit_darts.repair.capture import DomainCaptureSpec, capture_domains
 from mergekit_darts.config import SurgeryConfigError
 from mergekit_darts.tiny import DEFAULT_WORDS, build_tokenizer, make_expert, make_random_model
 
@@ -124,7 +124,7 @@ def test_corrupt_cache_entry_is_recomputed(tiny_family, tmp_path, loads, caplog,
         key = entry.name.split(".")[2]
         save_file({"hidden": torch.zeros(1, 2, 32)}, str(entry), metadata={"key": key})
     loads["paths"].clear()
-    with caplog.at_level(logging.WARNING, logger="mergekit_darts.capture"):
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.capture"):
         second = run(tiny_family["merged"], specs, tmp_path)
     assert "corrupt entry" in caplog.text and loads["paths"] == ["merged"]  # only the damaged entry's model
     torch.testing.assert_close(second.domains["math"].merged_hidden, first.domains["math"].merged_hidden)
@@ -161,7 +161,7 @@ def test_continuation_respects_max_positions(tiny_family, tmp_path):
 
 def test_truncation_and_empty_records_are_counted(tiny_family, tmp_path, caplog):
     texts = ["", "   ", " ".join(["apples"] * 20), "what is 2 + 3"]
-    with caplog.at_level(logging.WARNING, logger="mergekit_darts.capture"):
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.capture"):
         result = run(tiny_family["merged"], [DomainCaptureSpec("math", tiny_family["math"], texts)], tmp_path, max_positions=10)
     domain = result.domains["math"]
     assert (domain.skipped, domain.truncated) == (2, 1)
@@ -214,7 +214,7 @@ def test_model_without_final_norm_is_named():
         pass
 
     with pytest.raises(SurgeryConfigError, match="Headless: cannot find the final norm"):
-        capture._final_norm(Headless())
+        models._final_norm(Headless())
 
 
 def test_resolve_device_and_dtype():

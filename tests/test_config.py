@@ -40,7 +40,7 @@ def test_defaults_are_the_papers():
 def test_errors_name_the_field(block, message):
     with pytest.raises(SurgeryConfigError) as error:
         parse_surgery_block(block)
-    assert message in str(error.value.message)
+    assert message in str(error.value)
 
 
 def test_split_yaml_keeps_mergekit_part_untouched():

@@ -68,7 +68,7 @@ def test_demo_yaml_has_the_surgery_block(tmp_path):
 def test_demo_cli_help():
     from click.testing import CliRunner
 
-    from mergekit_darts.demo.cli import demo_command
+    from mergekit_darts.cli.demo import demo_command
 
     result = CliRunner().invoke(demo_command, ["--help"])
     assert result.exit_code == 0

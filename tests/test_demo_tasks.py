@@ -4,7 +4,7 @@ import pytest
 
 from mergekit_darts.demo import tasks
 from mergekit_darts.demo.family import build_tokenizer
-from mergekit_darts.demo.sandbox import ExecutionResult, run_program
+from mergekit_darts.evaluation.sandbox import ExecutionResult, run_program
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_sandbox_limits_file_size():
 
 
 def test_sandbox_early_exit_and_output_flood_are_not_passes():
-    from mergekit_darts.demo.sandbox import run_program
+    from mergekit_darts.evaluation.sandbox import run_program
 
     assert run_program("import os\nos._exit(0)\nassert False").passed is False
     assert run_program("import posix\nposix._exit(0)").passed is False

@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from mergekit_darts.evaluation import (
+from mergekit_darts.evaluation.harness import (
     EvaluationError, alpaca_model_outputs, evaluate, model_args, prepare_tasks, results_table, run_program,
 )
-from mergekit_darts.lmeval_tasks import utils  # noqa: E402
+from mergekit_darts.evaluation.lmeval_tasks import utils  # noqa: E402
 
 GSM = [
     {"question": "What is 2 plus 3?", "answer": "2 + 3 = 5\n#### 5"},
@@ -163,7 +163,7 @@ def test_evaluate_tiny_hf_model_offline(tmp_path, data_files):
 def test_eval_command_refuses_code_execution_and_bad_tasks(tmp_path):
     from click.testing import CliRunner
 
-    from mergekit_darts.eval_cli import eval_command
+    from mergekit_darts.cli.evaluate import eval_command
 
     runner = CliRunner()
     result = runner.invoke(eval_command, [str(tmp_path), "--domain", "none", "--tasks", "humaneval_darts"])
@@ -177,10 +177,10 @@ def test_eval_command_on_a_darts_directory(tiny_family, tmp_path, data_files):
     import shutil
 
     from click.testing import CliRunner
-    from conftest import merge_yaml
+    from helpers import merge_yaml
     from lm_eval.models.huggingface import HFLM
 
-    from mergekit_darts.eval_cli import eval_command
+    from mergekit_darts.cli.evaluate import eval_command
     from mergekit_darts.pipeline import run_surgery
 
     out = tmp_path / "darts"

@@ -1,24 +1,17 @@
 """export_surgery on mergekit output directories: layout, atomicity, reruns, sharded input (DESIGN §5)."""
 
-import ast
 import hashlib
 import json
 import os
-import re
 import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from mergekit_darts import export as export_module
-from mergekit_darts import modeling_darts
-from mergekit_darts.export import (
-    SUPPORTED_ARCHITECTURES,
-    export_surgery,
-    read_darts_info,
-)
-from mergekit_darts.surgery import DomainSurgery
+from mergekit_darts.output import export as export_module
+from mergekit_darts.output.export import export_surgery, read_darts_info
+from mergekit_darts.remote_code.surgery import DomainSurgery
 
 HIDDEN = 32
 
@@ -36,12 +29,8 @@ def modules_for(domains, rank=4, max_positions=6, seed=0, **kwargs):
     return modules
 
 
-def meta_for(modules, **kwargs):
-    some = next(iter(modules.values()))
-    meta = {"method": some.method, "loss": "ewl1", "rank": some.rank, "head_rank": some.head_rank,
-            "max_positions": some.max_positions, "domains": {name: f"experts/{name}" for name in modules}}
-    meta.update(kwargs)
-    return meta
+def experts_for(modules):
+    return {name: f"experts/{name}" for name in modules}
 
 
 REPORT = {
@@ -87,7 +76,7 @@ def test_export_layout(merged_copy, tmp_path):
     plot = tmp_path / "darts_bias.png"
     plot.write_bytes(b"\x89PNG fake")
     modules = modules_for(["math", "code"])
-    export_surgery(merged_copy, modules, meta_for(modules), "math", report=REPORT,
+    export_surgery(merged_copy, modules, experts_for(modules), "math", loss="ewl1", report=REPORT,
                    extra_files={"darts_bias.png": str(plot)})
 
     files = set(os.listdir(merged_copy))
@@ -115,7 +104,7 @@ def test_export_layout(merged_copy, tmp_path):
     assert config["darts_domain"] == "math" and config["darts"]["domains"] == {"math": "experts/math", "code": "experts/code"}
     assert config["darts"]["version"]
     for name in ("modeling_darts.py", "surgery.py"):
-        assert sha256(os.path.join(merged_copy, name)) == sha256(os.path.join(os.path.dirname(export_module.__file__), name))
+        assert sha256(os.path.join(merged_copy, name)) == sha256(os.path.join(export_module.PACKAGE_DIR, name))
     assert read_json(os.path.join(merged_copy, "darts_report.json")) == REPORT
 
     card = open(os.path.join(merged_copy, "README.md")).read()
@@ -129,9 +118,9 @@ def test_export_layout(merged_copy, tmp_path):
 def test_rerun_replaces_darts_parts(merged_copy):
     before = weight_hashes(merged_copy)
     modules = modules_for(["math", "code"])
-    export_surgery(merged_copy, modules, meta_for(modules), "math", report=REPORT)
+    export_surgery(merged_copy, modules, experts_for(modules), "math", loss="ewl1", report=REPORT)
     modules = modules_for(["physics"], method="standard", seed=1)
-    export_surgery(merged_copy, modules, meta_for(modules, loss="l1"), "physics")
+    export_surgery(merged_copy, modules, experts_for(modules), "physics", loss="l1")
 
     assert weight_hashes(merged_copy) == before
     with safe_open(os.path.join(merged_copy, "darts.safetensors"), "pt") as handle:
@@ -165,13 +154,13 @@ def test_sharded_input(merged_copy, tmp_path):
     old_index = read_json(os.path.join(sharded, "model.safetensors.index.json"))
 
     modules = modules_for(["math"])
-    export_surgery(sharded, modules, meta_for(modules), "math")
+    export_surgery(sharded, modules, experts_for(modules), "math", loss="ewl1")
     assert weight_hashes(sharded) == before
     index = read_json(os.path.join(sharded, "model.safetensors.index.json"))
     assert index["weight_map"] == {**old_index["weight_map"], **{f"darts.math.{p}": "darts.safetensors"
                                                                  for p in ("down.weight", "up.weight", "position_bias")}}
 
-    export_surgery(merged_copy, modules, meta_for(modules), "math")
+    export_surgery(merged_copy, modules, experts_for(modules), "math", loss="ewl1")
     ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11]])
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(sharded, trust_remote_code=True)(ids).logits
@@ -203,7 +192,7 @@ def test_interrupted_export_leaves_a_plain_model(tiny_family, tmp_path, monkeypa
         replace, calls = failing_after(step)
         monkeypatch.setattr(export_module.os, "replace", replace)
         try:
-            export_surgery(path, modules, meta_for(modules), "math", report=REPORT)
+            export_surgery(path, modules, experts_for(modules), "math", loss="ewl1", report=REPORT)
             finished = True
         except OSError:
             finished = False
@@ -224,14 +213,14 @@ def test_interrupted_rerun_is_old_darts_or_plain(merged_copy, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     modules = modules_for(["math", "code"])
-    export_surgery(merged_copy, modules, meta_for(modules), "math")
+    export_surgery(merged_copy, modules, experts_for(modules), "math", loss="ewl1")
     _, expected = plain_logits(merged_copy)
     new = modules_for(["physics"], seed=2)
     for step in range(3):  # the first switches of a rerun: config back to plain, plain index, shard
         replace, _ = failing_after(step)
         monkeypatch.setattr(export_module.os, "replace", replace)
         with pytest.raises(OSError):
-            export_surgery(merged_copy, new, meta_for(new), "physics")
+            export_surgery(merged_copy, new, experts_for(new), "physics", loss="ewl1")
         monkeypatch.undo()
         config = read_json(os.path.join(merged_copy, "config.json"))
         if "darts" in config:  # untouched old export: loads with its own domains
@@ -251,7 +240,7 @@ def test_failure_while_staging_changes_nothing(merged_copy, monkeypatch):
     monkeypatch.setattr(export_module.shutil, "copyfile", broken)
     modules = modules_for(["math"])
     with pytest.raises(OSError, match="disk full"):
-        export_surgery(merged_copy, modules, meta_for(modules), "math")
+        export_surgery(merged_copy, modules, experts_for(modules), "math", loss="ewl1")
     assert sorted(os.listdir(merged_copy)) == listing
     assert {name: sha256(os.path.join(merged_copy, name)) for name in listing} == hashes
 
@@ -264,57 +253,32 @@ def test_unsupported_architecture(merged_copy):
         json.dump(config, handle)
     modules = modules_for(["math"])
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"):
-        export_surgery(merged_copy, modules, meta_for(modules), "math")
+        export_surgery(merged_copy, modules, experts_for(modules), "math", loss="ewl1")
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda m, meta: meta["domains"].pop("code"), "does not match"),
-        (lambda m, meta: meta.update(rank=8), "rank"),
-        (lambda m, meta: m.update(code=DomainSurgery(16, rank=4, max_positions=6)), "hidden_size"),
+        (lambda m, experts: experts.pop("code"), "does not match"),
+        (lambda m, experts: m.update(code=DomainSurgery(HIDDEN, rank=8, max_positions=6)), "rank=8"),
+        (lambda m, experts: m.update(code=DomainSurgery(HIDDEN, rank=4, max_positions=6, content="linear")),
+         "content='linear'"),
+        (lambda m, experts: m.update(code=DomainSurgery(16, rank=4, max_positions=6)), "hidden_size"),
     ],
 )
 def test_inconsistent_modules_are_rejected(merged_copy, change, message):
     modules = modules_for(["math", "code"])
-    meta = meta_for(modules)
-    change(modules, meta)
+    experts = experts_for(modules)
+    change(modules, experts)
     with pytest.raises(ValueError, match=message):
-        export_surgery(merged_copy, modules, meta, "math")
+        export_surgery(merged_copy, modules, experts, "math", loss="ewl1")
     with pytest.raises(ValueError, match="unknown domain 'physics'"):
-        export_surgery(merged_copy, modules_for(["math"]), meta_for(modules_for(["math"])), "physics")
-
-
-def test_supported_architectures_match_modeling_classes():
-    assert set(SUPPORTED_ARCHITECTURES) == set(modeling_darts.DARTS_CLASSES)
-    for arch, cls in modeling_darts.DARTS_CLASSES.items():
-        assert cls.__name__ == "Darts" + arch
-
-
-def test_modeling_files_touch_no_files_or_network():
-    """What runs on every user's machine via trust_remote_code: torch/transformers/.surgery imports only."""
-    folder = os.path.dirname(export_module.__file__)
-    allowed = {"modeling_darts.py": {"torch", "transformers", "surgery"},
-               "surgery.py": {"typing", "torch"}}
-    for name, modules in allowed.items():
-        source = open(os.path.join(folder, name)).read()
-        for pattern in (r"\bopen\(", r"\brequests\b", r"\burllib\b", r"\bos\.", r"\bsubprocess\b", r"\bsocket\b"):
-            assert not re.search(pattern, source), (name, pattern)
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Import):
-                roots = {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                roots = {(node.module or "").split(".")[0]}
-                if node.level:
-                    assert node.module == "surgery", (name, node.module)
-            else:
-                continue
-            assert roots <= modules, (name, roots)
+        export_surgery(merged_copy, modules_for(["math"]), experts_for(modules_for(["math"])), "physics", loss="ewl1")
 
 
 def test_read_darts_info(merged_copy):
     modules = modules_for(["math", "code"])
-    export_surgery(merged_copy, modules, meta_for(modules), "code", report=REPORT)
+    export_surgery(merged_copy, modules, experts_for(modules), "code", loss="ewl1", report=REPORT)
     info = read_darts_info(merged_copy)
     assert info["architecture"] == "DartsLlamaForCausalLM" and info["default_domain"] == "code"
     assert set(info["domains"]) == {"math", "code"}

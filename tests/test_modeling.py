@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from mergekit_darts.export import export_surgery
-from mergekit_darts.surgery import DomainSurgery
+from mergekit_darts.output.export import export_surgery
+from mergekit_darts.remote_code.surgery import DomainSurgery
 from mergekit_darts.tiny import make_random_model
 
 MAX_POSITIONS = 6  # small, so test sequences also cover positions without a position correction
@@ -38,9 +38,8 @@ def make_darts_dir(path, head_rank=0, method="darts", default_domain="math"):
     with open(os.path.join(path, "config.json")) as handle:
         config = json.load(handle)
     modules = random_modules(config, head_rank=head_rank, method=method)
-    meta = {"method": method, "loss": "kl" if head_rank else "ewl1", "rank": 4, "head_rank": head_rank,
-            "max_positions": MAX_POSITIONS, "domains": {name: f"experts/{name}" for name in modules}}
-    export_surgery(path, modules, meta, default_domain)
+    export_surgery(path, modules, {name: f"experts/{name}" for name in modules}, default_domain,
+                   loss="kl" if head_rank else "ewl1")
     return modules
 
 
@@ -250,7 +249,7 @@ def test_save_pretrained_round_trip(darts_dir, tmp_path):
 
 def test_package_class_save_pretrained_carries_modeling_files(darts_dir, tmp_path):
     """Imported from the package (not remote code), the class still saves a self-contained directory."""
-    from mergekit_darts.modeling_darts import DartsLlamaForCausalLM
+    from mergekit_darts.remote_code.modeling_darts import DartsLlamaForCausalLM
 
     path, _ = darts_dir
     model = DartsLlamaForCausalLM.from_pretrained(path, darts_domain="code").eval()

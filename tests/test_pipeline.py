@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import merge_yaml
+from helpers import merge_yaml
 from mergekit_darts.config import SurgeryConfigError
 from mergekit_darts.pipeline import run_surgery
 
@@ -87,21 +87,24 @@ def test_mergekit_options_fill_in_seed_and_device():
     from mergekit.options import MergeOptions
 
     from mergekit_darts.config import parse_surgery_block
-    from mergekit_darts.pipeline import effective_device, effective_seed
+    from mergekit_darts.settings import RunSettings
 
     block = {"domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}}
     surgery = parse_surgery_block(block)
-    assert effective_seed(surgery, MergeOptions(random_seed=7)) == 7
-    assert effective_seed(surgery, MergeOptions()) == 0
-    assert effective_seed(parse_surgery_block({**block, "seed": 3}), MergeOptions(random_seed=7)) == 3
-    assert effective_device(surgery, MergeOptions(cuda=True)) == "cuda"
-    assert effective_device(surgery, MergeOptions(device="cuda:1")) == "cuda:1"
-    assert effective_device(surgery, MergeOptions()) == "auto"
-    assert effective_device(parse_surgery_block({**block, "device": "cpu"}), MergeOptions(cuda=True)) == "cpu"
+    resolve = RunSettings.resolve
+    assert resolve(surgery, MergeOptions(random_seed=7)).seed == 7
+    assert resolve(surgery, MergeOptions()).seed == 0
+    assert resolve(parse_surgery_block({**block, "seed": 3}), MergeOptions(random_seed=7)).seed == 3
+    assert resolve(surgery, MergeOptions(cuda=True)).device == "cuda"
+    assert resolve(surgery, MergeOptions(device="cuda:1")).device == "cuda:1"
+    assert resolve(surgery, MergeOptions()).device == "auto"
+    assert resolve(parse_surgery_block({**block, "device": "cpu"}), MergeOptions(cuda=True)).device == "cpu"
+    assert resolve(surgery, MergeOptions(trust_remote_code=True, quiet=True)).trust_remote_code is True
+    assert resolve(surgery, MergeOptions(quiet=True)).progress is False
 
 
 def test_calibration_is_read_once_per_domain(tiny_family, merged_copy, tmp_path, monkeypatch):
-    import mergekit_darts.calibration as calibration
+    import mergekit_darts.repair.calibration as calibration
 
     calls = []
     original = calibration.load_calibration_texts

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from scipy import stats as sps
 
-from mergekit_darts.stats import compare_table, heldout_scorer, run_compare, summarize_groups
+from mergekit_darts.evaluation.compare import compare_table, heldout_scorer, run_compare, summarize_groups
 
 A = [41.2, 42.0, 40.8, 43.1, 41.9, 42.4]
 B = [44.0, 45.2, 43.8, 44.9, 46.1, 45.0]
@@ -100,9 +100,9 @@ surgery:
 
 def test_compare_command_on_the_tiny_family(tiny_family, tmp_path):
     """The real pipeline end to end: three seeds per group on the tiny family, then the report."""
-    from conftest import merge_yaml
+    from helpers import merge_yaml
 
-    from mergekit_darts.eval_cli import compare_command, report_command
+    from mergekit_darts.cli.evaluate import compare_command, report_command
 
     out = tmp_path / "merged"
     shutil.copytree(tiny_family["merged"], out)
@@ -125,7 +125,7 @@ def test_compare_command_on_the_tiny_family(tiny_family, tmp_path):
 def test_compare_groups_option_parses_method_and_loss():
     import click
 
-    from mergekit_darts.eval_cli import _groups
+    from mergekit_darts.cli.evaluate import _groups
 
     assert _groups("standard+l1, darts+kl") == {
         "standard+l1": {"method": "standard", "loss": "l1"}, "darts+kl": {"method": "darts", "loss": "kl"}}

@@ -1,0 +1,1 @@
+"""The built-in demo: a tiny model family trained on the CPU, merged, repaired and scored."""

@@ -5,8 +5,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import tasks
-from .sandbox import run_program
+from mergekit_darts.demo import tasks
+from mergekit_darts.evaluation.sandbox import run_program
 
 _PROGRAM_CACHE: Dict[str, bool] = {}  # program text -> passed; variants often write the same code
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..tiny import build_tokenizer, tiny_config
+from mergekit_darts.tiny import build_tokenizer, tiny_config
 
 FAMILY_VERSION = 2  # bump when the data or training changes: cached families are rebuilt
 # Tiny matmuls gain nothing from threads, and on a shared 2-core machine OpenMP's spin-waiting made

@@ -15,9 +15,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import tasks
-from .evaluate import score_model
-from .family import FAMILY_VERSION, THREADS, FamilySpec, build_family
+from mergekit_darts.demo import tasks
+from mergekit_darts.demo.evaluate import score_model
+from mergekit_darts.demo.family import FAMILY_VERSION, THREADS, FamilySpec, build_family
 
 MAIN = ("darts_ewl1", "DARTS + EWL1", {"method": "darts", "loss": "ewl1"})
 ABLATIONS = [
@@ -123,7 +123,8 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
     from mergekit.options import MergeOptions
     from transformers import AutoTokenizer
 
-    from ..pipeline import merge_and_repair, run_surgery
+    from mergekit_darts.hook import original_run_merge
+    from mergekit_darts.pipeline import merge_and_repair, run_surgery
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sizes = sizes or (DemoSizes.quick() if quick else DemoSizes())
@@ -152,7 +153,7 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     log(f"merging with mergekit and running the surgery ({config_path} -> {out})")
     options = MergeOptions(quiet=not progress, random_seed=seed)
-    reports = {MAIN[0]: merge_and_repair(config, out, options=options)}
+    reports = {MAIN[0]: merge_and_repair(config, out, original_run_merge(), options=options)}
     tick("merge+surgery")
 
     tokenizer = AutoTokenizer.from_pretrained(out)

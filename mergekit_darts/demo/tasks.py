@@ -152,7 +152,7 @@ def code_program(example: dict, completion: str) -> str:
 
 
 def score_code(example: dict, completion: str, run: Optional[Callable] = None) -> bool:
-    from .sandbox import run_program
+    from mergekit_darts.evaluation.sandbox import run_program
 
     return (run or run_program)(code_program(example, completion)).passed
 

@@ -10,8 +10,8 @@ from typing import List, Optional
 import torch
 from tqdm.auto import tqdm
 
-from .losses import ENTROPY_WEIGHTED, LOSSES, DEFAULT_CHUNK, surgery_loss
-from .surgery import DomainSurgery
+from mergekit_darts.repair.losses import ENTROPY_WEIGHTED, LOSSES, DEFAULT_CHUNK, surgery_loss
+from mergekit_darts.remote_code.surgery import DomainSurgery
 
 LOG = logging.getLogger(__name__)
 

@@ -1,19 +1,21 @@
 """``mergekit-darts eval | compare | report``: task scores, multi-seed statistics, bias report.
 
-Only click is imported at module level: cli.py imports this module for every command.
+Only click is imported at module level; the heavy libraries load when a command runs.
 """
 
 import json
 from typing import Dict, Optional, Tuple, Union
 
 import click
-from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
+
+from mergekit_darts.cli import read_config_file
+from mergekit_darts.cli.repair import surgery_options, surgery_run_options
 
 TASK_HELP = "Comma-separated lm-eval tasks: gsm8k_darts, humaneval_darts, alpaca_darts."
 
 
 def _tasks(value: str) -> Tuple[str, ...]:
-    from .evaluation import TASKS
+    from mergekit_darts.evaluation.harness import TASKS
 
     tasks = tuple(t.strip() for t in value.split(",") if t.strip())
     bad = [t for t in tasks if t not in TASKS]
@@ -50,7 +52,7 @@ def _eval_options(func, with_device: bool = True):
         click.option("--max-gen-toks", type=int, default=None, help="Override the tasks' generation length."),
         click.option("--chat-template", is_flag=True, help="Apply the tokenizer's chat template (instruction models)."),
     ]
-    if with_device:  # compare gets --device from mergekit's options instead
+    if with_device:  # compare gets --device from the surgery options instead
         options.append(click.option("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)."))
     for option in reversed(options):
         func = option(func)
@@ -83,7 +85,7 @@ def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, out
     with --output-dir and run (needs OPENAI_API_KEY):
         alpaca_eval --model_outputs DIR/alpaca_outputs.<domain>.json
     """
-    from .evaluation import EvaluationError, evaluate, results_table
+    from mergekit_darts.evaluation.harness import EvaluationError, evaluate, results_table
 
     task_list = _tasks(tasks)
     domains = (["none"] if compare_none and domain != "none" else []) + [domain]
@@ -104,7 +106,7 @@ def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, out
 
 
 def _groups(value: str) -> Dict[str, Dict[str, str]]:
-    from .config import LOSSES, METHODS
+    from mergekit_darts.config import LOSSES, METHODS
 
     groups = {}
     for item in (part.strip() for part in value.split(",") if part.strip()):
@@ -119,7 +121,7 @@ def _groups(value: str) -> Dict[str, Dict[str, str]]:
     return groups
 
 
-@click.command("compare", cls=PrettyPrintHelp)
+@click.command("compare")
 @click.argument("config_file", metavar="CONFIG_FILE")
 @click.argument("out_path", metavar="MERGED_PATH")
 @click.option("--seeds", type=int, default=6, show_default=True, help="Calibration seeds per group.")
@@ -132,9 +134,10 @@ def _groups(value: str) -> Dict[str, Dict[str, str]]:
 @click.option("--json", "json_path", default="darts_compare.json", show_default=True, help="Where to write the JSON.")
 @click.option("--restore/--no-restore", default=True, show_default=True,
               help="Retrain the config's own surgery at the end so MERGED_PATH matches CONFIG_FILE.")
-@add_merge_options
-def compare_command(merge_options: MergeOptions, config_file: str, out_path: str, seeds: int, first_seed: int,
-                    groups: str, demo: bool, demo_seed: int, tasks: str, json_path: str, restore: bool, **kwargs):
+@surgery_options
+def compare_command(config_file: str, out_path: str, seeds: int, first_seed: int, groups: str, demo: bool,
+                    demo_seed: int, tasks: str, json_path: str, restore: bool, device, cuda, random_seed,
+                    trust_remote_code, quiet, **kwargs):
     """Surgery variants over several calibration seeds (the paper's Table 4: standard + L1 vs DARTS + EWL1).
 
     \b
@@ -143,11 +146,10 @@ def compare_command(merge_options: MergeOptions, config_file: str, out_path: str
     Mann-Whitney U test. Scores: lm-eval --tasks when given explicitly, --demo accuracies, or by
     default the held-out bias after surgery from each run's report (lower is better).
     """
-    from .cli import _read
-    from .stats import compare_table, demo_scorer, heldout_scorer, run_compare, task_scorer
+    from mergekit_darts.evaluation.compare import compare_table, demo_scorer, heldout_scorer, run_compare, task_scorer
 
-    merge_options.apply_global_options()
-    source = _read(config_file)
+    options = surgery_run_options(device, cuda, random_seed, trust_remote_code, quiet)
+    source = read_config_file(config_file)
     ctx = click.get_current_context()
     explicit_tasks = ctx.get_parameter_source("tasks") is not click.core.ParameterSource.DEFAULT
     if demo and explicit_tasks:
@@ -159,7 +161,7 @@ def compare_command(merge_options: MergeOptions, config_file: str, out_path: str
     else:
         scorer = heldout_scorer
     result = run_compare(source, out_path, seeds=seeds, first_seed=first_seed, scorer=scorer,
-                         groups=_groups(groups), restore=restore, options=merge_options, log=click.echo)
+                         groups=_groups(groups), restore=restore, options=options, log=click.echo)
     with open(json_path, "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2)
     click.echo("\n" + compare_table(result))
@@ -171,7 +173,7 @@ def compare_command(merge_options: MergeOptions, config_file: str, out_path: str
 @click.option("--no-plot", is_flag=True, help="Only print the table; leave darts_bias.png alone.")
 def report_command(out_path: str, no_plot: bool):
     """Print the bias table of OUT_PATH/darts_report.json and re-draw OUT_PATH/darts_bias.png."""
-    from .report import render_report
+    from mergekit_darts.repair.report import render_report
 
     try:
         click.echo(render_report(out_path, plot=not no_plot))

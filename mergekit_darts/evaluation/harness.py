@@ -22,15 +22,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 # Model-written code runs in the package's one sandbox (a separate, resource-limited `python -I`
 # process, destructive functions disabled); re-exported for the task utils and tests.
-from .demo.sandbox import ExecutionResult, run_program  # noqa: F401
+from mergekit_darts.evaluation.sandbox import ExecutionResult, run_program  # noqa: F401
 
 TASKS = ("gsm8k_darts", "humaneval_darts", "alpaca_darts")
 DATA_TASKS = ("gsm8k_darts", "alpaca_darts")  # tasks that need a user-supplied data file
-NONE_DOMAIN = "none"
-
-
-class EvaluationError(ValueError):
-    """Bad evaluation request (unknown task, missing data, code execution not allowed, ...)."""
+from mergekit_darts.errors import EvaluationError  # noqa: E402,F401  (re-exported)
+from mergekit_darts.output.layout import NONE_DOMAIN, is_darts_dir  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,7 +92,7 @@ def prepare_tasks(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]
     os.makedirs(dest, exist_ok=True)
     if "humaneval_darts" in tasks:
         files["humaneval_darts"] = _humaneval_data(dest)
-    package = resources.files("mergekit_darts.lmeval_tasks")
+    package = resources.files("mergekit_darts.evaluation.lmeval_tasks")
     for task in tasks:
         template = package.joinpath(f"{task}.yaml").read_text(encoding="utf-8")
         # a JSON string is a valid YAML double-quoted scalar: safe for any path
@@ -104,20 +101,12 @@ def prepare_tasks(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]
             handle.write(text)
     # `!function utils.x` is resolved next to the YAML: a shim keeps one implementation in the package
     with open(os.path.join(dest, "utils.py"), "w", encoding="utf-8") as handle:
-        handle.write("from mergekit_darts.lmeval_tasks.utils import *  # noqa: F401,F403\n")
+        handle.write("from mergekit_darts.evaluation.lmeval_tasks.utils import *  # noqa: F401,F403\n")
     return dest
 
 
 # ----------------------------------------------------------------------------------------------
 # Evaluation
-
-def is_darts_dir(model_dir: str) -> bool:
-    try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
-            return isinstance(json.load(handle).get("darts"), dict)
-    except (OSError, ValueError):
-        return False
-
 
 def model_args(model_dir: str, domain: str, dtype: str = "auto") -> Dict[str, Any]:
     args: Dict[str, Any] = {"pretrained": model_dir, "dtype": dtype}

@@ -1,4 +1,4 @@
-"""Final-layer hidden states of the merged model and the experts, plus expert entropies (DESIGN §3, §4).
+"""Final-layer hidden states of the merged model and the experts, plus expert entropies (docs/design.md §3, §4).
 
 The hidden state is the output of the model's final norm (the LM head's input), taken with a forward
 hook, so it is exactly what the surgery module will see at inference. All models see the same token
@@ -7,24 +7,23 @@ every domain that needs it, free. Results are cached on disk (safetensors, one f
 by a content hash of the model files, the token ids and the dtype), so a rerun loads no model.
 """
 
-import gc
 import logging
-import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
-from .capture_cache import CaptureCache as _Cache
-from .capture_cache import cache_key as _key
-from .capture_cache import model_identity as _model_identity
-from .config import SurgeryConfigError
-from .losses import token_entropy
+from mergekit_darts.repair.capture_cache import CaptureCache as _Cache
+from mergekit_darts.repair.capture_cache import cache_key as _key
+from mergekit_darts.repair.capture_cache import model_identity as _model_identity
+from mergekit_darts.config import SurgeryConfigError
+from mergekit_darts.repair.models import (  # noqa: F401  (resolve_* re-exported for the pipeline)
+    _Ctx, _continue, _eos_ids, _forward_hidden, _ModelSlot, _pad, _sizes, resolve_device, resolve_dtype,
+    resolve_model_dir,
+)
 
 LOG = logging.getLogger(__name__)
 
-_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.jinja", "*.tiktoken"]
 
 
 @dataclass
@@ -62,31 +61,6 @@ class _Prompts:
     ids: List[List[int]]  # merged-tokenizer ids of the kept texts, truncated to max_positions
     truncated: int = 0
     skipped: int = 0
-
-
-def resolve_device(device) -> torch.device:
-    """``"auto"`` -> cuda when available, else cpu; anything else as torch.device."""
-    if isinstance(device, torch.device):
-        return device
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise SurgeryConfigError(f"device: {device!r} was requested but CUDA is not available; use 'auto' or 'cpu'")
-    return resolved
-
-
-def resolve_dtype(dtype, device) -> torch.dtype:
-    """``"auto"`` -> bfloat16 on cuda, float32 elsewhere; else the named torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if resolve_device(device).type == "cuda" else torch.float32
-    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if dtype not in names:
-        raise SurgeryConfigError(f"dtype: unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")
-    return names[dtype]
 
 
 def capture_domains(
@@ -155,192 +129,6 @@ def capture_domains(
             skipped=prompts[spec.name].skipped,
         )
     return CaptureResult(domains=domains, merged_head=merged_out["head"])
-
-
-# --- models ----------------------------------------------------------------------------------
-
-
-@dataclass
-class _Ctx:
-    device: torch.device
-    dtype: torch.dtype
-    batch_size: int
-    max_positions: int
-    trust_remote_code: bool
-    progress: bool
-    cache: "_Cache"
-    pad_id: int = 0
-    hidden_size: Optional[int] = None  # the merged model's, which every expert must share
-    vocab_size: Optional[int] = None
-
-
-def resolve_model_dir(path: str) -> str:
-    """A local directory for ``path``: itself, or its Hugging Face hub snapshot (cached, else fetched)."""
-    expanded = os.path.expanduser(path)
-    if os.path.isdir(expanded):
-        return os.path.realpath(expanded)
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(path, local_files_only=True)
-    except Exception:
-        pass
-    try:  # the same files from_pretrained would fetch (safetensors only)
-        return snapshot_download(path, allow_patterns=_HUB_FILES)
-    except Exception as error:
-        raise SurgeryConfigError(
-            f"model {path!r} is neither a local directory nor available from the Hugging Face hub "
-            f"(cache or network): {type(error).__name__}: {error}"
-        ) from None
-
-
-def _sizes(model_dir: str, trust_remote_code: bool) -> Tuple[int, int]:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(config.hidden_size), int(config.vocab_size)
-
-
-def _decoders(model) -> List[torch.nn.Module]:
-    found = []
-    if hasattr(model, "get_decoder"):
-        try:
-            found.append(model.get_decoder())
-        except Exception:  # some models raise for a missing decoder rule
-            pass
-    found.append(getattr(model, "model", None))
-    return [d for d in found if isinstance(d, torch.nn.Module) and d is not model]
-
-
-def _final_norm(model) -> torch.nn.Module:
-    """The module whose output feeds the LM head, found without knowing the architecture."""
-    for decoder in _decoders(model):
-        for name in ("norm", "final_layernorm", "ln_f"):
-            module = getattr(decoder, name, None)
-            if isinstance(module, torch.nn.Module):
-                return module
-    raise SurgeryConfigError(
-        f"{type(model).__name__}: cannot find the final norm (looked for get_decoder().norm, "
-        ".final_layernorm, .ln_f and model.norm); DARTS needs a causal LM whose final norm feeds its LM head"
-    )
-
-
-def _lm_head(model) -> torch.nn.Module:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or getattr(head, "weight", None) is None:
-        raise SurgeryConfigError(f"{type(model).__name__}: has no LM head (get_output_embeddings() is None)")
-    return head
-
-
-class _ModelSlot:
-    """Loads a model on first use and frees it on ``free()``: the one model in memory."""
-
-    def __init__(self, model_dir: str, ctx: _Ctx):
-        self.model_dir, self.ctx, self.model = model_dir, ctx, None
-
-    def get(self):
-        if self.model is None:
-            from transformers import AutoModelForCausalLM
-
-            LOG.info("capture: loading %s (%s on %s)", self.model_dir, self.ctx.dtype, self.ctx.device)
-            model = AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=self.ctx.dtype, use_safetensors=True,
-                trust_remote_code=self.ctx.trust_remote_code,
-                device_map={"": self.ctx.device} if self.ctx.device.type != "cpu" else None,
-            )
-            if next(model.parameters()).device != self.ctx.device:
-                model = model.to(self.ctx.device)
-            if hasattr(model, "set_darts_domain"):
-                # a directory repaired before, loaded with remote code: capture the plain merge
-                model.set_darts_domain("none")
-            self.model = model.eval().requires_grad_(False)
-        return self.model
-
-    def head(self) -> torch.Tensor:
-        return _lm_head(self.get()).weight.detach().to("cpu", self.ctx.dtype).clone()
-
-    def free(self) -> None:
-        if self.model is not None:
-            self.model = None
-            gc.collect()  # transformers models hold reference cycles; collect before the next load
-            if self.ctx.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-
-@torch.no_grad()
-def _forward_hidden(model, ids: List[List[int]], ctx: _Ctx, desc: str, with_entropy: bool):
-    """Final-norm outputs for ``ids`` in batches: ([N, T, H] capture dtype, [N, T] float32 or None) on cpu."""
-    norm, head = _final_norm(model), _lm_head(model)
-    # Run only the decoder when it owns the norm: the LM head's [B, T, V] logits are not needed.
-    runner = next((d for d in _decoders(model) if any(m is norm for m in d.modules())), model)
-    captured: List[torch.Tensor] = []
-    handle = norm.register_forward_hook(lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out))
-    longest = max(len(row) for row in ids)
-    hidden = torch.zeros(len(ids), longest, head.weight.shape[1], dtype=ctx.dtype)
-    entropy = torch.zeros(len(ids), longest, dtype=torch.float32) if with_entropy else None
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths batch together: less padding
-    try:
-        for start in tqdm(range(0, len(order), ctx.batch_size), desc=desc, disable=not ctx.progress, leave=False):
-            rows = order[start:start + ctx.batch_size]
-            input_ids, mask = _pad([ids[i] for i in rows], ctx.pad_id)
-            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-            captured.clear()
-            runner(input_ids=input_ids.to(ctx.device), attention_mask=mask.long().to(ctx.device),
-                   position_ids=position_ids.to(ctx.device), use_cache=False)
-            states = captured[-1]
-            batch_entropy = token_entropy(states, head.weight, getattr(head, "bias", None)) if with_entropy else None
-            for j, i in enumerate(rows):
-                n = len(ids[i])
-                hidden[i, :n] = states[j, :n].to("cpu", ctx.dtype)
-                if with_entropy:
-                    entropy[i, :n] = batch_entropy[j, :n].cpu()
-    finally:
-        handle.remove()
-    return hidden, entropy
-
-
-@torch.no_grad()
-def _continue(model, prompts: List[List[int]], n: int, ctx: _Ctx, eos_ids: set, desc: str) -> List[List[int]]:
-    """Each prompt + the model's greedy continuation: up to ``n`` tokens, stopping before EOS and
-    at ``max_positions`` (so a continued sample is never truncated)."""
-    out: List[Optional[List[int]]] = [None] * len(prompts)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    for start in tqdm(range(0, len(order), ctx.batch_size), desc=desc, disable=not ctx.progress, leave=False):
-        rows = order[start:start + ctx.batch_size]
-        budgets = [min(n, ctx.max_positions - len(prompts[i])) for i in rows]
-        if max(budgets) <= 0:
-            for i in rows:
-                out[i] = list(prompts[i])
-            continue
-        # Left padding for generation: every row's next token is then at the same column.
-        longest = max(len(prompts[i]) for i in rows)
-        input_ids = torch.full((len(rows), longest), ctx.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for j, i in enumerate(rows):
-            input_ids[j, longest - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[j, longest - len(prompts[i]):] = 1
-        generated = model.generate(
-            input_ids=input_ids.to(ctx.device), attention_mask=mask.to(ctx.device),
-            max_new_tokens=max(budgets), min_new_tokens=0, do_sample=False, num_beams=1,
-            temperature=None, top_p=None, top_k=None, pad_token_id=ctx.pad_id,
-        )[:, longest:].cpu()
-        for j, i in enumerate(rows):
-            tokens = generated[j, :max(budgets[j], 0)].tolist()
-            cut = next((k for k, token in enumerate(tokens) if token in eos_ids), len(tokens))
-            out[i] = list(prompts[i]) + tokens[:cut]
-    return out
-
-
-def _eos_ids(model) -> set:
-    ids = set()
-    for source in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                   getattr(model.config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(x) for x in source)
-    return ids
 
 
 # --- capture passes --------------------------------------------------------------------------
@@ -487,14 +275,3 @@ def _check_expert(spec, expert_dir, merged_sizes, merged_tokenizer, trust_remote
                 f"calibration text {text[:60]!r} differently from the merged model's tokenizer; DARTS needs "
                 "experts that share the merged model's tokenizer"
             )
-
-
-def _pad(rows: List[List[int]], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [N, T] ids and bool mask."""
-    longest = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), longest), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        input_ids[i, :len(row)] = torch.as_tensor(row, dtype=torch.long)
-        mask[i, :len(row)] = True
-    return input_ids, mask

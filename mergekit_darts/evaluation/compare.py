@@ -81,7 +81,7 @@ def heldout_scorer(out_dir: str, report: Dict[str, Any]) -> Dict[str, float]:
 
 def task_scorer(tasks: Sequence[str], **evaluate_kwargs) -> Scorer:
     """Every lm-eval metric of ``tasks``, per domain of the report, with that domain active."""
-    from .evaluation import evaluate
+    from mergekit_darts.evaluation.harness import evaluate
 
     def score(out_dir: str, report: Dict[str, Any]) -> Dict[str, float]:
         scores = {}
@@ -97,8 +97,8 @@ def demo_scorer(seed: int = 0) -> Scorer:
     """Accuracy (%) on the demo family's test split of each (demo) domain, that domain active."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .demo import tasks as demo_tasks
-    from .demo.evaluate import score_model
+    from mergekit_darts.demo import tasks as demo_tasks
+    from mergekit_darts.demo.evaluate import score_model
 
     def score(out_dir: str, report: Dict[str, Any]) -> Dict[str, float]:
         domains = list(report.get("domains", {}))
@@ -128,7 +128,7 @@ def run_compare(
     The surgery in ``out_path`` is replaced by each run in turn; with ``restore`` the config's own
     surgery is trained again at the end so the directory is left as the config describes it.
     """
-    from .pipeline import run_surgery
+    from mergekit_darts.pipeline import run_surgery
 
     if seeds < 1:
         raise ValueError(f"seeds: need at least 1, got {seeds}")

@@ -16,7 +16,7 @@ import re
 import string
 from typing import Any, Dict, List, Sequence
 
-from .config import CalibrationConfig, SurgeryConfigError
+from mergekit_darts.config import CalibrationConfig, SurgeryConfigError
 
 LOG = logging.getLogger(__name__)
 

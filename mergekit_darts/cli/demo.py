@@ -17,7 +17,7 @@ def demo_command(workdir: str, seed: int, quick: bool):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    from .run import run_demo
+    from mergekit_darts.demo.run import run_demo
 
     result = run_demo(workdir, seed=seed, quick=quick, log=click.echo)
     click.echo(f"Results: {os.path.join(os.path.abspath(workdir), 'results.md')} (and results.json, "

@@ -11,8 +11,9 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-HIDDEN_LOSSES = ("l1", "ewl1", "mse", "ewmse", "cosine")
-LOSSES = HIDDEN_LOSSES + ("kl",)
+from mergekit_darts.config import LOSSES  # noqa: E402  (the one list of loss names)
+
+HIDDEN_LOSSES = tuple(name for name in LOSSES if name != "kl")
 ENTROPY_WEIGHTED = ("ewl1", "ewmse")
 DEFAULT_CHUNK = 1024
 

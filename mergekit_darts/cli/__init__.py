@@ -1,0 +1,64 @@
+"""The ``mergekit-darts`` command line: a click group whose commands are imported only when run.
+
+``mergekit-darts --help`` and ``--version`` import neither torch nor mergekit; each command family
+lives in its own module (like mergekit's ``scripts/``). Library errors (``DartsError``) become one
+``Error: ...`` line here, nowhere deeper.
+"""
+
+import importlib
+
+import click
+
+from mergekit_darts import __version__
+
+# name -> ("module:attribute", one-line help shown by --help without importing the module)
+COMMANDS = {
+    "run": ("mergekit_darts.cli.repair:run_command", "Merge CONFIG_FILE, then run its surgery: block."),
+    "surgery": ("mergekit_darts.cli.repair:surgery_command", "Run only the surgery: block on a merged directory."),
+    "info": ("mergekit_darts.cli.repair:info_command", "Domains, experts and parameter counts of an output."),
+    "report": ("mergekit_darts.cli.evaluate:report_command", "Print the bias/KL report and re-draw its plot."),
+    "eval": ("mergekit_darts.cli.evaluate:eval_command", "Task scores of one domain through lm-eval (offline)."),
+    "compare": ("mergekit_darts.cli.evaluate:compare_command", "Surgery variants over several seeds, with tests."),
+    "demo": ("mergekit_darts.cli.demo:demo_command", "The built-in demo on a tiny model family (CPU)."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, _, attribute = COMMANDS[name][0].partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    def format_commands(self, ctx, formatter):
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, short) for name, (_, short) in COMMANDS.items()])
+
+    def invoke(self, ctx):
+        from mergekit_darts.errors import DartsError, to_click_error
+
+        try:
+            return super().invoke(ctx)
+        except DartsError as error:
+            raise to_click_error(error) from None
+
+
+@click.group("mergekit-darts", cls=LazyGroup)
+@click.version_option(__version__, prog_name="mergekit-darts")
+def main():
+    """DARTS representation surgery for mergekit merges.
+
+    An unchanged `mergekit-yaml cfg.yml out/` already runs the surgery: block of cfg.yml; these
+    commands are for running the steps explicitly and inspecting the result.
+    """
+
+
+def read_config_file(config_file: str) -> str:
+    try:
+        with open(config_file, "r", encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise click.BadParameter(f"cannot read {config_file!r}: {error.strerror}", param_hint="CONFIG_FILE")

@@ -1,0 +1,110 @@
+"""``mergekit-darts run | surgery | info``: merge and repair, repair only, describe an output."""
+
+import json
+from types import SimpleNamespace
+
+import click
+
+from mergekit_darts.cli import read_config_file
+
+
+def surgery_options(func):
+    """The options that mean something to a surgery-only run (mergekit's merge options do not)."""
+    options = [
+        click.option("--device", default=None, help="Device for capture and training (cpu, cuda, cuda:N); "
+                                                    "the surgery block's own device: wins."),
+        click.option("--cuda", is_flag=True, help="Same as --device cuda."),
+        click.option("--random-seed", type=int, default=None, help="Seed when the surgery block sets none."),
+        click.option("--trust-remote-code", is_flag=True, help="Allow the models' own code to run when loading."),
+        click.option("--quiet", is_flag=True, help="No progress bars."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def surgery_run_options(device, cuda, random_seed, trust_remote_code, quiet) -> SimpleNamespace:
+    """What ``RunSettings.resolve`` reads from mergekit's MergeOptions, for surgery-only commands."""
+    return SimpleNamespace(device=device, cuda=cuda, random_seed=random_seed,
+                           trust_remote_code=trust_remote_code, quiet=quiet)
+
+
+def _run_command():
+    from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
+
+    @click.command("run", cls=PrettyPrintHelp)
+    @click.argument("config_file", metavar="CONFIG_FILE")
+    @click.argument("out_path", metavar="OUT_PATH")
+    @add_merge_options
+    def run_command(merge_options: MergeOptions, config_file: str, out_path: str):
+        """Merge CONFIG_FILE into OUT_PATH, then run its surgery: block (like mergekit-yaml).
+
+        \b
+        CONFIG_FILE  a mergekit YAML with a surgery: block
+        OUT_PATH     the output directory (a loadable model directory when this ends)
+        """
+        from mergekit_darts.errors import SurgeryConfigError
+        from mergekit_darts.hook import original_run_merge
+        from mergekit_darts.pipeline import merge_and_repair, parse_config_source
+
+        merge_options.apply_global_options()
+        source = read_config_file(config_file)
+        _, surgery = parse_config_source(source)
+        if surgery is None:
+            raise SurgeryConfigError(f"{config_file}: no surgery: block; use mergekit-yaml for a plain merge")
+        merge_and_repair(source, out_path, original_run_merge(), options=merge_options)
+        click.echo(f"Repaired merge written to {out_path}")
+
+    return run_command
+
+
+run_command = _run_command()  # importing this module imports mergekit: only when `run` is used
+
+
+@click.command("surgery")
+@click.argument("config_file", metavar="CONFIG_FILE")
+@click.argument("out_path", metavar="MERGED_PATH")
+@surgery_options
+def surgery_command(config_file: str, out_path: str, **options):
+    """Run only the surgery: block of CONFIG_FILE on an existing merged directory MERGED_PATH.
+
+    \b
+    CONFIG_FILE  a mergekit YAML with a surgery: block (its merge part is not used)
+    MERGED_PATH  a merged model directory; it becomes the repaired output
+    """
+    from mergekit_darts.pipeline import run_surgery, summary_lines
+
+    report = run_surgery(read_config_file(config_file), out_path, options=surgery_run_options(**options))
+    for line in summary_lines(report):
+        click.echo(line)
+    click.echo(f"Surgery written to {out_path}")
+
+
+@click.command("info")
+@click.argument("out_path", metavar="OUT_PATH")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def info_command(out_path: str, as_json: bool):
+    """Domains, experts, parameter counts and report summary of a repaired directory OUT_PATH."""
+    from mergekit_darts.output.export import read_darts_info
+    from mergekit_darts.pipeline import before_after
+
+    info = read_darts_info(out_path)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for key, value in info.items():
+        if key == "domains":
+            continue
+        if key == "share" and value is not None:
+            value = f"{100 * value:.3f}% of the merged model's parameters"
+        click.echo(f"{key}: {value}")
+    for name, entry in info.get("domains", {}).items():
+        line = f"domain {name}: expert {entry.get('expert')}, {entry.get('parameters', 0):,} parameters"
+        calibration = entry.get("calibration")
+        if calibration:
+            line += f", calibration {calibration.get('train')} train / {calibration.get('held_out')} held-out"
+        for part in (before_after(entry.get("bias"), "held-out bias"),
+                     before_after(entry.get("held_out_kl"), "held-out KL")):
+            if part:
+                line += f", {part}"
+        click.echo(line)

@@ -1,0 +1,1 @@
+"""Scoring repaired models: lm-eval tasks, multi-seed comparison statistics, the code sandbox."""

@@ -1,0 +1,208 @@
+"""Write trained surgery modules into a mergekit output directory (docs/design.md §5).
+
+The merged weight bytes are never rewritten: a single ``model.safetensors`` is only renamed into a
+one-shard index, and the surgery tensors go to their own shard ``darts.safetensors``. Everything is
+staged in a temporary folder inside ``out_dir`` and switched in with ``os.replace`` in an order that
+keeps the directory a loadable plain merged model at every step; ``config.json`` claiming the Darts
+architecture is written last, once weights, index and modeling files are in place.
+File names and config keys come from ``layout``; the modules' shape from ``SurgeryShape``.
+"""
+
+import os
+import shutil
+import tempfile
+from typing import Dict, Optional
+
+import torch
+from safetensors.torch import save_file
+
+from mergekit_darts import __version__
+from mergekit_darts.errors import FormatError
+from mergekit_darts.output import card, layout
+from mergekit_darts.output.layout import (
+    ARCH_PREFIX, DARTS_SHARD, INDEX, MODELING_FILES, NONE_DOMAIN, REPORT, RESERVED_DOMAINS, SINGLE_SHARD,
+    SINGLE_WEIGHTS, STAGING_PREFIX, plain_architecture, plain_config, read_json, safetensors_header, write_json,
+)
+from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
+
+# the two files shipped into every output directory live in the remote_code package
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "remote_code")
+
+
+def shared_shape(modules: Dict[str, DomainSurgery], config: dict) -> SurgeryShape:
+    """The one shape every module has (the emitted model builds all domains alike)."""
+    if not modules:
+        raise ValueError("modules: no surgery modules to export")
+    shapes = {name: module.shape for name, module in modules.items()}
+    first_name, shape = next(iter(shapes.items()))
+    for name, module in modules.items():
+        if shapes[name] != shape:
+            raise ValueError(f"domain {name!r}: module shape {shapes[name]} differs from {first_name!r}'s {shape}")
+        if module.hidden_size != config.get("hidden_size"):
+            raise ValueError(
+                f"domain {name!r}: module hidden_size={module.hidden_size}, but the model needs "
+                f"{config.get('hidden_size')}"
+            )
+        if module.head_rank and module.vocab_size != config.get("vocab_size"):
+            raise ValueError(
+                f"domain {name!r}: head vocab {module.vocab_size} != model vocab {config.get('vocab_size')}"
+            )
+    return shape
+
+
+def _check_domains(modules: Dict[str, DomainSurgery], experts: Dict[str, str], default_domain: str) -> None:
+    for reserved in RESERVED_DOMAINS:
+        if reserved in modules:
+            raise ValueError(f"domain name {reserved!r} is reserved")
+    if set(modules) != set(experts):
+        raise ValueError(f"experts {sorted(experts)} does not match the modules {sorted(modules)}")
+    if default_domain != NONE_DOMAIN and default_domain not in modules:
+        raise ValueError(f"default_domain: unknown domain {default_domain!r}; choose one of {[*modules, NONE_DOMAIN]}")
+
+
+def darts_tensors(modules: Dict[str, DomainSurgery]) -> Dict[str, torch.Tensor]:
+    """``darts.<domain>.<param>`` -> float32 contiguous CPU tensor (the Darts model's state-dict keys)."""
+    return {
+        layout.darts_tensor_name(domain, key): value.detach().to("cpu", torch.float32).contiguous()
+        for domain, module in modules.items()
+        for key, value in module.state_dict().items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+def export_surgery(
+    out_dir: str,
+    modules: Dict[str, DomainSurgery],
+    experts: Dict[str, str],
+    default_domain: str,
+    loss: str,
+    report: Optional[dict] = None,
+    extra_files: Optional[Dict[str, str]] = None,
+) -> None:
+    """Add the surgery ``modules`` (domain -> DomainSurgery) to the merged model in ``out_dir``.
+
+    ``config.darts`` gets the modules' shape, ``loss`` and ``experts`` (domain -> expert model);
+    ``default_domain`` (a domain or "none") becomes ``config.darts_domain``. ``report`` is written to
+    darts_report.json and summarised in the model card; ``extra_files`` (name -> source path) are
+    copied in. Running it again replaces the previous surgery entirely.
+    """
+    config_path = os.path.join(out_dir, "config.json")
+    config = read_json(config_path)
+    arch = plain_architecture(config)
+    shape = shared_shape(modules, config)
+    _check_domains(modules, experts, default_domain)
+    darts_meta = layout.darts_entry(shape.to_meta(), loss, experts, __version__)
+    for name, source in (extra_files or {}).items():
+        if os.path.basename(name) != name or not os.path.isfile(source):
+            raise ValueError(f"extra_files: {name!r} must be a plain file name with an existing source ({source!r})")
+
+    merged_map = layout.merged_weight_map(out_dir)
+    single = os.path.exists(os.path.join(out_dir, SINGLE_WEIGHTS))
+    if single:
+        merged_bytes = layout.tensor_bytes(safetensors_header(os.path.join(out_dir, SINGLE_WEIGHTS)))
+        merged_params = layout.numel(safetensors_header(os.path.join(out_dir, SINGLE_WEIGHTS)))
+        old_index = {"metadata": {}}
+    else:
+        headers = [safetensors_header(os.path.join(out_dir, f)) for f in sorted(set(merged_map.values()))]
+        merged_bytes = sum(layout.tensor_bytes(h) for h in headers)
+        merged_params = sum(layout.numel(h) for h in headers)
+        old_index = read_json(os.path.join(out_dir, INDEX))
+    tensors = darts_tensors(modules)
+    added = sum(t.numel() for t in tensors.values())
+
+    for leftover in os.listdir(out_dir):  # from an export that was killed before its cleanup
+        if leftover.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(out_dir, leftover), ignore_errors=True)
+    stage = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
+    try:
+        staged = lambda name: os.path.join(stage, name)  # noqa: E731
+        target = lambda name: os.path.join(out_dir, name)  # noqa: E731
+
+        save_file(tensors, staged(DARTS_SHARD), metadata={"format": "pt"})
+        metadata = {k: v for k, v in (old_index.get("metadata") or {}).items() if k != "total_size"}
+        metadata["total_size"] = merged_bytes + sum(t.numel() * 4 for t in tensors.values())
+        weight_map = {**merged_map, **{name: DARTS_SHARD for name in tensors}}
+        write_json(staged(INDEX), {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
+        write_json(staged("plain_index.json"), {"metadata": old_index.get("metadata") or {}, "weight_map": merged_map})
+        write_json(staged("plain_config.json"), plain_config(config))
+        for name in MODELING_FILES:
+            shutil.copyfile(os.path.join(PACKAGE_DIR, name), staged(name))
+        if report is not None:
+            write_json(staged(REPORT), report)
+        for name, source in (extra_files or {}).items():
+            shutil.copyfile(source, staged(name))
+        section = card.card_section(arch, darts_meta, default_domain, report, added, merged_params)
+        with open(staged("README.md"), "w", encoding="utf-8") as handle:
+            handle.write(card.updated_card(out_dir, section))
+        darts_config = {**plain_config(config), "darts": darts_meta, "darts_domain": default_domain}
+        darts_config["architectures"] = [ARCH_PREFIX + arch]
+        darts_config["auto_map"] = {
+            **(darts_config.get("auto_map") or {}),
+            "AutoModelForCausalLM": f"modeling_darts.{ARCH_PREFIX}{arch}",
+        }
+        write_json(staged("config.json"), darts_config)
+
+        # The switch. After every single os.replace the directory loads as a plain merged model.
+        # 1. an earlier export: first back to a plain config and an index without darts entries
+        if "darts" in config or config.get("architectures") != [arch]:
+            os.replace(staged("plain_config.json"), config_path)
+        if not single:
+            os.replace(staged("plain_index.json"), target(INDEX))
+        # 2. the darts shard, then the index naming it (ignored while model.safetensors exists)
+        os.replace(staged(DARTS_SHARD), target(DARTS_SHARD))
+        os.replace(staged(INDEX), target(INDEX))
+        # 3. model.safetensors -> a shard of the index (a rename: the bytes stay as mergekit wrote them)
+        if single:
+            os.replace(target(SINGLE_WEIGHTS), target(SINGLE_SHARD))
+        # 4. modeling code, report, extra files, card; a stale report of an earlier export goes
+        for name in (*MODELING_FILES, *(extra_files or {}), "README.md"):
+            os.replace(staged(name), target(name))
+        if report is not None:
+            os.replace(staged(REPORT), target(REPORT))
+        elif os.path.exists(target(REPORT)):
+            os.remove(target(REPORT))
+        # 5. last: the config that claims the Darts architecture
+        os.replace(staged("config.json"), config_path)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- info
+
+def read_darts_info(out_dir: str) -> dict:
+    """Summary of a Darts output directory for ``mergekit-darts info``: domains, experts, parameter
+    counts and the report's per-domain numbers."""
+    config = layout.read_config(out_dir)
+    meta = layout.read_darts_entry(out_dir)
+    shape = SurgeryShape.from_meta(meta)
+    shard = os.path.join(out_dir, DARTS_SHARD)
+    header = safetensors_header(shard) if os.path.exists(shard) else {}
+    report_path = os.path.join(out_dir, REPORT)
+    report = read_json(report_path) if os.path.exists(report_path) else {}
+    try:
+        merged_params = layout.merged_parameter_count(out_dir)
+    except (FormatError, FileNotFoundError):
+        merged_params = 0
+    domains = {}
+    for name, expert in (meta.get("domains") or {}).items():
+        mine = {k: v for k, v in header.items() if k.startswith(layout.darts_tensor_name(name, ""))}
+        info = {"expert": expert, "parameters": layout.numel(mine), "tensors": sorted(mine)}
+        for key in ("calibration", "final_loss", "bias", "held_out_kl"):
+            if key in report.get("domains", {}).get(name, {}):
+                info[key] = report["domains"][name][key]
+        domains[name] = info
+    added = sum(d["parameters"] for d in domains.values())
+    return {
+        "architecture": (config.get("architectures") or [None])[0],
+        "default_domain": config.get(layout.DOMAIN_KEY, NONE_DOMAIN),
+        **{key: value for key, value in shape.to_meta().items() if key != "format_version"},
+        "loss": meta.get("loss"),
+        "format_version": shape.format_version,
+        "version": meta.get("version"),
+        "domains": domains,
+        "parameters": added,
+        "merged_parameters": merged_params,
+        "share": added / merged_params if merged_params else None,
+        "has_modeling_files": all(os.path.exists(os.path.join(out_dir, f)) for f in MODELING_FILES),
+    }

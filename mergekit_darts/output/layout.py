@@ -1,0 +1,171 @@
+"""The output directory's format, defined once (docs/design.md §5): file names, ``config.json`` keys,
+the reserved domain names, and how to read a directory's darts entry.
+
+Torch-free on purpose: ``info``, ``report``, ``eval`` and the pre-merge checks use it without loading
+a model. The shipped ``remote_code`` files cannot import it (they may import only torch and
+transformers); the constants they repeat are checked against these by the tests.
+"""
+
+import json
+import os
+import struct
+from typing import Dict, Optional
+
+from mergekit_darts.errors import FormatError
+
+# config.json keys
+DARTS_KEY = "darts"  # the correction's description (see ``darts_entry``)
+DOMAIN_KEY = "darts_domain"  # the domain active when the directory is loaded
+NONE_DOMAIN = "none"  # the plain merged model
+RESERVED_DOMAINS = (NONE_DOMAIN, "auto")
+ARCH_PREFIX = "Darts"  # DartsLlamaForCausalLM wraps LlamaForCausalLM
+
+# files
+MODELING_FILES = ("modeling_darts.py", "surgery.py")  # copied from mergekit_darts/remote_code
+SINGLE_WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SINGLE_SHARD = "model-00001-of-00001.safetensors"
+DARTS_SHARD = "darts.safetensors"
+DARTS_TENSOR_PREFIX = "darts."
+REPORT = "darts_report.json"
+PLOT = "darts_bias.png"
+CARD = "README.md"
+STAGING_PREFIX = ".darts-staging-"
+
+# plain architectures the emitted classes wrap (remote_code/modeling_darts.py: DARTS_CLASSES, tested equal)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GemmaForCausalLM",
+    "Phi3ForCausalLM",
+)
+
+
+def read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def write_json(path: str, data: dict) -> None:
+    # allow_nan=False: a NaN would make the file invalid JSON for every other reader
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=False, allow_nan=False)
+        handle.write("\n")
+
+
+def read_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        return read_json(path)
+    except FileNotFoundError:
+        raise FormatError(f"{model_dir}: no config.json; not a model directory") from None
+    except ValueError as error:
+        raise FormatError(f"{path}: not valid JSON ({error})") from None
+
+
+def is_darts_dir(model_dir: str) -> bool:
+    """True when ``model_dir/config.json`` carries a darts entry (a repaired merge)."""
+    try:
+        return isinstance(read_config(model_dir).get(DARTS_KEY), dict)
+    except FormatError:
+        return False
+
+
+def read_darts_entry(model_dir: str) -> dict:
+    """The ``darts`` entry of ``model_dir/config.json``; FormatError for a plain directory."""
+    entry = read_config(model_dir).get(DARTS_KEY)
+    if not isinstance(entry, dict):
+        raise FormatError(
+            f"{model_dir}: config.json has no '{DARTS_KEY}' entry; not a mergekit-darts output directory"
+        )
+    return entry
+
+
+def darts_entry(shape_meta: dict, loss: str, domains: Dict[str, str], package_version: str,
+                extra: Optional[dict] = None) -> dict:
+    """The ``config.json`` darts entry: the module shape (``SurgeryShape.to_meta``), the training loss,
+    the domains (name -> expert) and the package version that wrote it."""
+    entry = {**shape_meta, "loss": loss, "domains": dict(domains), "version": package_version}
+    entry.update(extra or {})
+    return entry
+
+
+def darts_tensor_name(domain: str, param: str) -> str:
+    return f"{DARTS_TENSOR_PREFIX}{domain}.{param}"
+
+
+def safetensors_header(path: str) -> Dict[str, dict]:
+    """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors header (no tensor data read)."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_bytes(header: dict) -> int:
+    return sum(end - start for start, end in (info["data_offsets"] for info in header.values()))
+
+
+def numel(header: dict) -> int:
+    total = 0
+    for info in header.values():
+        count = 1
+        for dim in info["shape"]:
+            count *= dim
+        total += count
+    return total
+
+
+def plain_architecture(config: dict) -> str:
+    """The merged model's own architecture name, also for a directory that was exported before."""
+    architectures = config.get("architectures") or []
+    arch = architectures[0] if architectures else None
+    if arch and arch.startswith(ARCH_PREFIX) and arch[len(ARCH_PREFIX):] in SUPPORTED_ARCHITECTURES:
+        arch = arch[len(ARCH_PREFIX):]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise FormatError(
+            f"architecture {arch!r} is not supported by mergekit-darts; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def plain_config(config: dict) -> dict:
+    """``config`` with every Darts addition removed (what mergekit wrote)."""
+    plain = {k: v for k, v in config.items() if k not in (DARTS_KEY, DOMAIN_KEY)}
+    plain["architectures"] = [plain_architecture(config)]
+    auto_map = {k: v for k, v in (config.get("auto_map") or {}).items() if not str(v).startswith("modeling_darts.")}
+    if auto_map:
+        plain["auto_map"] = auto_map
+    else:
+        plain.pop("auto_map", None)
+    return plain
+
+
+def merged_weight_map(out_dir: str) -> Dict[str, str]:
+    """Tensor name -> file of the merged weights only (darts entries of an earlier export dropped)."""
+    if os.path.exists(os.path.join(out_dir, SINGLE_WEIGHTS)):
+        return {name: SINGLE_SHARD for name in safetensors_header(os.path.join(out_dir, SINGLE_WEIGHTS))}
+    if os.path.exists(os.path.join(out_dir, INDEX)):
+        weight_map = read_json(os.path.join(out_dir, INDEX))["weight_map"]
+        return {name: f for name, f in weight_map.items()
+                if f != DARTS_SHARD and not name.startswith(DARTS_TENSOR_PREFIX)}
+    raise FormatError(
+        f"{out_dir}: no {SINGLE_WEIGHTS} or {INDEX}; mergekit-darts needs safetensors weights "
+        "(run mergekit with safe serialization)"
+    )
+
+
+def merged_parameter_count(out_dir: str) -> int:
+    """Parameters of the merged weights (darts tensors excluded), from the safetensors headers."""
+    total = 0
+    for name in set(merged_weight_map(out_dir).values()):
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path) and name == SINGLE_SHARD:
+            path = os.path.join(out_dir, SINGLE_WEIGHTS)
+        total += numel(safetensors_header(path))
+    return total

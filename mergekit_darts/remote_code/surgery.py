@@ -1,0 +1,199 @@
+"""Representation-surgery correction modules (docs/design.md §3).
+
+This file imports torch only: it is copied next to ``modeling_darts.py`` into every output
+directory, so the package and the published model share exactly one implementation of the math,
+and one description of a module's shape (``SurgeryShape``) that the pipeline builds, the export
+writes into ``config.json`` and the emitted model reads back.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+METHODS = ("darts", "standard")
+CONTENT_KINDS = ("relu", "linear")
+# Version of the shape description in config.json. 1: written by mergekit-darts 0.1.x (no
+# "format_version" key; ReLU content only). 2: adds "format_version" and "content".
+FORMAT_VERSION = 2
+_SHAPE_KEYS = ("method", "rank", "head_rank", "max_positions", "content")
+
+
+@dataclass(frozen=True)
+class SurgeryShape:
+    """What every domain module of one output shares: enough to rebuild it before loading weights."""
+
+    method: str
+    rank: int
+    head_rank: int
+    max_positions: int
+    content: str
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method: unknown surgery method {self.method!r}; choose one of {METHODS}")
+        if self.content not in CONTENT_KINDS:
+            raise ValueError(f"content: unknown content correction {self.content!r}; choose one of {CONTENT_KINDS}")
+        for name in ("rank", "max_positions"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if type(self.head_rank) is not int or self.head_rank < 0:
+            raise ValueError(f"head_rank: must be an integer >= 0, got {self.head_rank!r}")
+
+    def to_meta(self) -> dict:
+        return {"format_version": FORMAT_VERSION, **{key: getattr(self, key) for key in _SHAPE_KEYS}}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "SurgeryShape":
+        """Strict: every key must be present (no silent defaults); unknown versions are errors."""
+        if not isinstance(meta, dict):
+            raise ValueError(f"config.darts: expected a mapping, got {type(meta).__name__}")
+        version = meta.get("format_version", 1)
+        if version == 1:  # mergekit-darts 0.1.x: ReLU content was the only kind
+            meta = {**meta, "content": "relu"}
+        elif version != FORMAT_VERSION:
+            raise ValueError(
+                f"config.darts.format_version {version!r} is not supported by this mergekit-darts "
+                f"(it reads versions 1 to {FORMAT_VERSION}); upgrade mergekit-darts"
+            )
+        missing = [key for key in _SHAPE_KEYS if key not in meta]
+        if missing:
+            raise ValueError(f"config.darts: missing {', '.join(missing)}; the directory was not written by mergekit-darts")
+        return cls(**{key: meta[key] for key in _SHAPE_KEYS}, format_version=version)
+
+
+class DomainSurgery(nn.Module):
+    """One domain's correction: ``h_hat = h - up(relu(down(h))) - position_bias[pos]``.
+
+    ``content="linear"`` drops the ReLU (``h - up(down(h))``): the correction is then a matrix that
+    can be folded into the LM head (``mergekit-darts bake``).
+
+    ``method="standard"`` is Yang et al. (2024): content correction only. ``method="darts"`` adds a
+    free per-position bias table of ``max_positions`` rows; positions at or beyond ``max_positions``
+    get no position correction. With ``head_rank > 0`` the module also carries a logit-space
+    correction ``head_up(head_down(h_hat))`` that the caller adds to the LM head's logits.
+
+    ``up``, ``position_bias`` and ``head_up`` start at zero, so an untrained module is the identity.
+    The math runs in float32 whatever the input dtype; the output has the input's dtype.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        rank: int = 16,
+        max_positions: int = 512,
+        method: str = "darts",
+        head_rank: int = 0,
+        vocab_size: Optional[int] = None,
+        content: str = "relu",
+    ):
+        super().__init__()
+        if content not in CONTENT_KINDS:
+            raise ValueError(f"content: unknown content correction {content!r}; choose one of {CONTENT_KINDS}")
+        if method not in METHODS:
+            raise ValueError(f"method: unknown surgery method {method!r}; choose one of {METHODS}")
+        for name, value in (("hidden_size", hidden_size), ("rank", rank), ("max_positions", max_positions)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if not isinstance(head_rank, int) or head_rank < 0:
+            raise ValueError(f"head_rank: must be an integer >= 0, got {head_rank!r}")
+        if head_rank > 0 and (not isinstance(vocab_size, int) or vocab_size <= 0):
+            raise ValueError("vocab_size: a positive vocabulary size is required when head_rank > 0")
+        self.hidden_size = hidden_size
+        self.rank = rank
+        self.max_positions = max_positions
+        self.method = method
+        self.head_rank = head_rank
+        self.vocab_size = vocab_size
+        self.content_kind = content
+
+        self.down = nn.Linear(hidden_size, rank, bias=False)
+        self.up = nn.Linear(rank, hidden_size, bias=False)
+        if method == "darts":
+            self.position_bias = nn.Parameter(torch.zeros(max_positions, hidden_size))
+        else:
+            self.register_parameter("position_bias", None)
+        if head_rank > 0:
+            self.head_down = nn.Linear(hidden_size, head_rank, bias=False)
+            self.head_up = nn.Linear(head_rank, vocab_size, bias=False)
+        else:
+            self.head_down = None
+            self.head_up = None
+        self.reset_parameters()
+
+    @classmethod
+    def from_shape(cls, shape: SurgeryShape, hidden_size: int, vocab_size: Optional[int]) -> "DomainSurgery":
+        return cls(hidden_size=hidden_size, rank=shape.rank, max_positions=shape.max_positions,
+                   method=shape.method, head_rank=shape.head_rank, vocab_size=vocab_size, content=shape.content)
+
+    @property
+    def shape(self) -> SurgeryShape:
+        return SurgeryShape(method=self.method, rank=self.rank, head_rank=self.head_rank,
+                            max_positions=self.max_positions, content=self.content_kind)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # down keeps nn.Linear's default (kaiming_uniform, a=sqrt(5)); everything that is added
+        # to the merged model's computation starts at zero so the untrained module is the identity.
+        self.down.reset_parameters()
+        nn.init.zeros_(self.up.weight)
+        if self.position_bias is not None:
+            self.position_bias.zero_()
+        if self.head_down is not None:
+            self.head_down.reset_parameters()
+            nn.init.zeros_(self.head_up.weight)
+
+    def content(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """c(h) = up(ReLU(down(h))) (or up(down(h)) for linear content) in float32: the part subtracted."""
+        h = hidden_states.float()
+        inner = nn.functional.linear(h, self.down.weight.float())
+        if self.content_kind == "relu":
+            inner = torch.relu(inner)
+        return nn.functional.linear(inner, self.up.weight.float())
+
+    def position_correction(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """b[pos] in float32, zero for positions outside [0, max_positions)."""
+        bias = self.position_bias.float()
+        valid = (position_ids >= 0) & (position_ids < self.max_positions)
+        rows = bias[position_ids.clamp(0, self.max_positions - 1).long()]
+        return rows * valid.unsqueeze(-1).to(rows.dtype)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if hidden_states.dim() < 2 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states: expected [..., {self.hidden_size}], got {tuple(hidden_states.shape)}"
+            )
+        h = hidden_states.float()
+        corrected = h - self.content(h)
+        if self.position_bias is not None:
+            if position_ids is None:
+                raise ValueError("position_ids: required for method 'darts'")
+            if tuple(position_ids.shape) != tuple(hidden_states.shape[:-1]):
+                raise ValueError(
+                    f"position_ids: shape {tuple(position_ids.shape)} does not match hidden_states "
+                    f"{tuple(hidden_states.shape[:-1])}"
+                )
+            corrected = corrected - self.position_correction(position_ids.to(h.device))
+        return corrected.to(hidden_states.dtype)
+
+    def head_correction(self, corrected_hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logit-space correction U(V h_hat) in float32, or None when head_rank == 0."""
+        if self.head_down is None:
+            return None
+        h = corrected_hidden.float()
+        return nn.functional.linear(
+            nn.functional.linear(h, self.head_down.weight.float()), self.head_up.weight.float()
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"method={self.method}, hidden_size={self.hidden_size}, rank={self.rank}, "
+            f"max_positions={self.max_positions}, head_rank={self.head_rank}, content={self.content_kind}"
+        )
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

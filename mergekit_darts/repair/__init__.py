@@ -1,0 +1,1 @@
+"""Repair steps on a merged directory: calibration texts, capture, losses, training, bias report."""

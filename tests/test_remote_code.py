@@ -1,0 +1,104 @@
+"""The two files shipped into every output directory, and the format they read (config.json darts entry)."""
+
+import ast
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mergekit_darts import config as config_module
+from mergekit_darts.output import export as export_module
+from mergekit_darts.output import layout
+from mergekit_darts.remote_code import modeling_darts, surgery
+from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_modeling_files_import_only_torch_and_transformers():
+    """What runs on every user's machine via trust_remote_code: torch/transformers/.surgery imports only,
+    no file, process or network access."""
+    folder = export_module.PACKAGE_DIR
+    allowed = {"modeling_darts.py": {"torch", "transformers", "surgery"},
+               "surgery.py": {"dataclasses", "typing", "torch"}}
+    assert sorted(allowed) == sorted(layout.MODELING_FILES)
+    for name, modules in allowed.items():
+        source = open(os.path.join(folder, name)).read()
+        for pattern in (r"\bopen\(", r"\brequests\b", r"\burllib\b", r"\bos\.", r"\bsubprocess\b", r"\bsocket\b"):
+            assert not re.search(pattern, source), (name, pattern)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {(node.module or "").split(".")[0]}
+                if node.level:
+                    assert node.module == "surgery", (name, node.module)
+            else:
+                continue
+            assert roots <= modules, (name, roots)
+
+
+def test_shipped_constants_match_the_package():
+    """The remote code repeats a few names it cannot import; they must agree with the package's."""
+    assert set(layout.SUPPORTED_ARCHITECTURES) == set(modeling_darts.DARTS_CLASSES)
+    for arch, cls in modeling_darts.DARTS_CLASSES.items():
+        assert cls.__name__ == layout.ARCH_PREFIX + arch
+    assert modeling_darts.NONE_DOMAIN == layout.NONE_DOMAIN
+    assert surgery.METHODS == config_module.METHODS
+    assert surgery.CONTENT_KINDS == config_module.CONTENTS
+
+
+def test_shape_meta_round_trip_and_strictness():
+    shape = SurgeryShape(method="darts", rank=4, head_rank=2, max_positions=8, content="linear")
+    meta = shape.to_meta()
+    assert meta["format_version"] == surgery.FORMAT_VERSION
+    assert SurgeryShape.from_meta(meta) == shape
+    module = DomainSurgery.from_shape(shape, hidden_size=16, vocab_size=10)
+    assert module.shape == shape
+    with pytest.raises(ValueError, match="missing rank"):
+        SurgeryShape.from_meta({k: v for k, v in meta.items() if k != "rank"})
+    with pytest.raises(ValueError, match="format_version 99.*upgrade"):
+        SurgeryShape.from_meta({**meta, "format_version": 99})
+    with pytest.raises(ValueError, match="content"):
+        SurgeryShape.from_meta({**meta, "content": "tanh"})
+    with pytest.raises(ValueError, match="rank"):
+        SurgeryShape(method="darts", rank=True, head_rank=0, max_positions=8, content="relu")
+
+
+def test_linear_content_has_no_relu():
+    torch.manual_seed(0)
+    relu = DomainSurgery(8, rank=3, max_positions=4, method="standard")
+    linear = DomainSurgery(8, rank=3, max_positions=4, method="standard", content="linear")
+    linear.load_state_dict(relu.state_dict())
+    with torch.no_grad():
+        for module in (relu, linear):
+            module.up.weight.normal_()
+    linear.up.weight.data.copy_(relu.up.weight)
+    h = torch.randn(2, 5, 8)
+    expected = h - (h @ relu.down.weight.T) @ relu.up.weight.T
+    assert torch.allclose(linear(h), expected, atol=1e-5)
+    assert not torch.allclose(relu(h), expected, atol=1e-3)
+
+
+def test_directory_written_by_version_0_1_0_still_loads(tmp_path):
+    """tests/data/v0_1_0_output was written by mergekit-darts 0.1.0 (format 1: no format_version, no
+    content key); the logits beside it were computed by that version's classes."""
+    out = tmp_path / "v010"
+    shutil.copytree(DATA / "v0_1_0_output", out)
+    expected = load_file(DATA / "v0_1_0_expected.safetensors")
+    assert "format_version" not in layout.read_darts_entry(str(out))
+    for domain in ("math", "code", "none"):
+        model = modeling_darts.DartsLlamaForCausalLM.from_pretrained(str(out), darts_domain=domain).eval()
+        with torch.no_grad():
+            logits = model(expected["input_ids"]).logits[0]
+        assert torch.allclose(logits, expected[f"logits.{domain}"], atol=1e-5), domain
+    info = export_module.read_darts_info(str(out))
+    assert info["format_version"] == 1 and info["content"] == "relu" and info["head_rank"] == 2
+    # a new export over it writes the current format
+    modules = {"math": DomainSurgery(32, rank=4, max_positions=8)}
+    export_module.export_surgery(str(out), modules, {"math": "experts/math"}, "math", loss="ewl1")
+    assert layout.read_darts_entry(str(out))["format_version"] == surgery.FORMAT_VERSION
