@@ -174,6 +174,8 @@ def test_mergekit_yaml_linear_run_then_bake(tiny_family, tmp_path):
     assert config["darts"]["content"] == "linear"
     kl = json.loads((out / "darts_report.json").read_text())["domains"]["math"]["held_out_kl"]
     assert {"before", "after", "after_without_position_bias"} <= set(kl)
+    assert "content: linear" in _invoke("info", out).output
+    assert "content=linear" in _invoke("report", out).output
 
     # remote-code logits == DomainSurgery math on the plain merge's final hidden states
     shape = SurgeryShape.from_meta(config["darts"])
