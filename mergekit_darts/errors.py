@@ -18,6 +18,10 @@ class EvaluationError(DartsError, ValueError):
     """A bad evaluation request (unknown task, missing data, code execution not allowed, ...)."""
 
 
+class FoldError(DartsError, ValueError):
+    """A domain's correction cannot be folded exactly into the LM head (``bake``, ``export-peft``)."""
+
+
 class DeviceError(DartsError, RuntimeError):
     """The requested device is not available on this machine."""
 

@@ -245,7 +245,13 @@ def held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str,
     head = module.head_correction if module.head_rank > 0 else None
     after = kl_loss(corrected, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size)
     gap_closed = 1.0 - float(after) / float(before) if float(before) > 0 else None
-    return {"before": float(before), "after": float(after), "gap_closed": gap_closed}
+    result = {"before": float(before), "after": float(after), "gap_closed": gap_closed}
+    if module.position_bias is not None:
+        # what `mergekit-darts bake --drop-position-bias` keeps: the correction without its table
+        unbiased = (merged - module.content(merged))[mask]
+        result["after_without_position_bias"] = float(
+            kl_loss(unbiased, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
+    return result
 
 
 def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], report: dict) -> None:

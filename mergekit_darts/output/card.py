@@ -82,3 +82,34 @@ def updated_card(out_dir: str, section: str) -> str:
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
     text = _CARD_SECTION.sub("", text).rstrip("\n")
     return (text + "\n\n" if text else "") + section
+
+
+def baked_section(summary: dict, darts_meta: dict) -> str:
+    """The card section of a ``mergekit-darts bake`` directory: which correction was folded, and how."""
+    domain = summary["domain"]
+    folded = f"linear content correction of rank {summary['rank']}"
+    if summary["head_rank"]:
+        folded += f" and logit correction of rank {summary['head_rank']}"
+    lines = [
+        CARD_BEGIN,
+        "## Representation surgery, folded into the LM head",
+        "",
+        f"This is the merge with the `{domain}` domain's representation surgery (expert: "
+        f"{summary.get('expert') or '–'}; trained by [mergekit-darts](https://pypi.org/project/mergekit-darts/) "
+        f"with loss `{darts_meta.get('loss')}`) folded into its LM head by `mergekit-darts bake`: the "
+        f"{folded} became `lm_head.weight = (W + H_u·H_d)·(I − U·D)`. Every other tensor is the merge's.",
+        "It loads as a plain model (no remote code); its logits equal the repaired model's with "
+        f"`darts_domain=\"{domain}\"`" + (" except for the position table (see below)." if summary[
+            "dropped_position_bias"] else "."),
+        "",
+        "- The input embeddings are unchanged; `tie_word_embeddings` is false because the head is now domain-specific.",
+    ]
+    if summary["dropped_position_bias"]:
+        kl = summary.get("held_out_kl") or {}
+        measured = (f" Held-out KL to the expert: {_fmt(kl.get('after'))} with the table, "
+                    f"{_fmt(kl.get('after_without_position_bias'))} without it (plain merge: {_fmt(kl.get('before'))})."
+                    if "after_without_position_bias" in kl else "")
+        lines.append("- The per-position bias table of `method: darts` cannot be folded and was **dropped** "
+                     "(`--drop-position-bias`)." + measured)
+    lines += [CARD_END, ""]
+    return "\n".join(lines)

@@ -162,9 +162,8 @@ def summary_table(report: Dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     settings = report.get("surgery") or {}
     if settings:
-        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in ("method", "loss", "rank",
-                                                                          "max_positions", "steps", "seed")
-                                              if k in settings))
+        keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")
+        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings))
     return "\n".join(lines)
 
 
