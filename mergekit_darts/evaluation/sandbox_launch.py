@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from typing import List, Optional
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ _NAMESPACES = ["--fork", "--kill-child", "--pid", "--mount-proc", "--net", "--ip
 
 _CHOSEN: Optional["Launch"] = None
 _WARNED = False
+_LOCK = threading.Lock()  # the demo scores from a thread pool: probe once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,11 @@ def _works(launch: Launch) -> bool:
 
 def chosen_launch() -> Launch:
     """The strongest launch that works here (probed once, then cached)."""
+    with _LOCK:
+        return _choose()
+
+
+def _choose() -> Launch:
     global _CHOSEN, _WARNED
     if _CHOSEN is None:
         candidates = _candidates()
