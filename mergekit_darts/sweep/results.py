@@ -114,8 +114,10 @@ def markdown(cells, records, stats: Dict[str, Any], sweep_block) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(table, stats: Dict[str, Any], sweep_block, path: str) -> str:
-    """Score vs merge setting, one line per surgery variant (mean over seeds, std as error bars)."""
+def plot(table, stats: Dict[str, Any], sweep_block, path: str, baseline=None) -> str:
+    """Score vs merge setting, one line per surgery variant (mean over seeds, std as error bars);
+    ``baseline`` ({merge label: {variant: [(seed, score)]}}, e.g. the plain merge's held-out KL) as a
+    dashed line where given."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers; must precede pyplot
@@ -134,6 +136,11 @@ def plot(table, stats: Dict[str, Any], sweep_block, path: str) -> str:
             means.append(group.get("mean") if group.get("mean") is not None else float("nan"))
             stds.append(group.get("std") or 0.0)
         ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=variant)
+    if baseline:
+        values = [[score for runs in baseline.get(label, {}).values() for _, score in runs] for label in labels]
+        if all(values):
+            ax.plot(xs, [sum(v) / len(v) for v in values], linestyle="--", color="gray", marker="x",
+                    label="plain merge (no surgery)")
     ax.set_xlabel(axes[0].label if numeric else "merge setting")
     if not numeric:
         ax.set_xticks(xs)
@@ -164,9 +171,14 @@ def write_outputs(output_dir: str, cells, records: Dict[str, Dict[str, Any]], sw
     write_json(os.path.join(output_dir, STATS), stats)
     with open(os.path.join(output_dir, TABLE), "w", encoding="utf-8") as handle:
         handle.write(markdown(cells, records, stats, sweep_block))
+    done = [r for r in records.values() if r.get("status") == "done"]
+    if done and not any(metric in (r.get("scores") or {}) for r in done):
+        known = sorted({k for r in done for k in (r.get("scores") or {})})
+        LOG.warning("sweep.scoring.metric %r is in no finished cell's scores; recorded metrics: %s", metric, known)
     if any(runs for by_variant in table.values() for runs in by_variant.values()):
         try:
-            plot(table, stats, sweep_block, os.path.join(output_dir, PLOT))
+            baseline = collect(cells, records, metric + "_before")
+            plot(table, stats, sweep_block, os.path.join(output_dir, PLOT), baseline=baseline)
         except Exception as error:  # a plot must never cost the user their results
             LOG.warning("could not draw %s: %s", PLOT, error)
     return stats

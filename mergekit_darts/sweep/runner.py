@@ -57,8 +57,10 @@ def _enter(workdir: str, num_cpus: float) -> None:
     if os.path.isdir(workdir):
         os.chdir(workdir)
     import torch
+    from transformers.utils import logging as hf_logging
 
     torch.set_num_threads(max(1, int(num_cpus)))
+    hf_logging.disable_progress_bar()  # one bar per model load from every worker drowns the sweep's own
 
 
 def _error_text(error: BaseException) -> str:
@@ -120,6 +122,8 @@ def cell_scores(model_dir: str, report: Dict[str, Any], scoring: Dict[str, Any],
     for domain, entry in report.get("domains", {}).items():
         if entry.get("final_loss") is not None:
             scores[f"{domain}/final_loss"] = float(entry["final_loss"])
+        if (entry.get("held_out_kl") or {}).get("before") is not None:  # the plain merge, for reference
+            scores[f"{domain}/heldout_kl_before"] = float(entry["held_out_kl"]["before"])
     if scoring.get("demo"):
         scores.update(demo_scorer(seed=0)(model_dir, report))
     if scoring.get("tasks"):
