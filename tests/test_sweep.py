@@ -59,6 +59,15 @@ def test_grid_expands_every_combination_with_distinct_hashes():
     assert not {c.hash for c in expand(changed)} & {c.hash for c in cells}
 
 
+def test_shipped_example_is_a_valid_sweep():
+    with open(os.path.join(REPO, "examples", "sweep_tiny.yml")) as handle:
+        spec = parse_sweep(handle.read())
+    cells = expand(spec)
+    validate(spec, cells)
+    assert len(cells) == 8 and {c.variant.name for c in cells} == {"standard+l1", "darts+ewl1"}
+    assert {c.merge.label for c in cells} == {"weight=0.3", "weight=0.6"}
+
+
 @pytest.mark.parametrize("sweep, message", [
     ({"merge": [{"path": "models.5.parameters.weight", "values": [1]}]}, "sweep.merge.0: 'models.5'"),
     ({"merge": [{"path": "dtype.x", "values": [1]}]}, "cannot go into a str"),

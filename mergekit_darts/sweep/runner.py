@@ -6,8 +6,8 @@ cell repairs its own hard-linked view of it in ``cells/<cell hash>/model`` (the 
 the merged weight bytes, it only renames files, so the links are safe and cost no disk).
 
 The driver appends each finished cell to results.jsonl the moment Ray returns it; a cell that
-raises is recorded with its error and the others go on. Nothing here imports torch: the driver can
-be a CPU head node.
+raises is recorded with its error and the others go on. The driver never loads a model (it imports
+mergekit only to validate the configs), so it can be a CPU head node.
 """
 
 import logging
