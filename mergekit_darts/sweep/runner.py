@@ -202,23 +202,25 @@ def run_sweep(spec: SweepSpec, output_dir: str, *, address: Optional[str] = None
     finished = {h for h, record in previous.items() if record.get("status") == "done"}
     todo = [cell for cell in cells if cell.hash not in finished]
     log(f"sweep: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run")
-    if todo:
-        if not ray.is_initialized():
-            ray.init(address=address, runtime_env=worker_runtime_env(),
-                     **({"include_dashboard": False} if address is None else {}))
-        records = _run_cells(ray, spec, todo, output_dir, results_path, progress)
-    else:
-        records = []
-    for record in records:
-        previous[record["cell"]] = record
-    results_io.write_outputs(output_dir, cells, previous, spec.sweep)
+    records: List[Dict[str, Any]] = []
+    try:
+        if todo:
+            if not ray.is_initialized():
+                ray.init(address=address, runtime_env=worker_runtime_env(),
+                         **({"include_dashboard": False} if address is None else {}))
+            _run_cells(ray, spec, todo, output_dir, results_path, progress, records)
+    finally:  # interrupted or not, the table and plot show every cell finished so far
+        for record in records:
+            previous[record["cell"]] = record
+        results_io.write_outputs(output_dir, cells, previous, spec.sweep)
     failed = [r for r in records if r["status"] != "done"]
     return {"cells": len(cells), "ran": len(records), "skipped": len(cells) - len(todo),
             "failed": len(failed), "records": [previous[c.hash] for c in cells if c.hash in previous]}
 
 
 def _run_cells(ray, spec: SweepSpec, todo: List[Cell], output_dir: str, results_path: str,
-               progress: bool) -> List[Dict[str, Any]]:
+               progress: bool, records: List[Dict[str, Any]]) -> None:
+    """Submit every cell, then record each as it finishes (appended to ``records`` and results.jsonl)."""
     from tqdm import tqdm
 
     resources = spec.sweep.resources
@@ -239,7 +241,7 @@ def _run_cells(ray, spec: SweepSpec, todo: List[Cell], output_dir: str, results_
                 {**surgery_defaults, **cell.surgery}, os.path.join(output_dir, "cells", cell.hash),
                 workdir, resources.num_cpus)
             pending[ref] = cell
-    records, counts = [], {"done": 0, "failed": 0}
+    counts = {"done": 0, "failed": 0}
     bar = tqdm(total=len(pending), desc="sweep", unit="cell", disable=not progress, dynamic_ncols=True)
     bar.set_postfix(done=0, running=len(pending), failed=0)
     while pending:
@@ -262,4 +264,3 @@ def _run_cells(ray, spec: SweepSpec, todo: List[Cell], output_dir: str, results_
         # "running" counts cells handed to Ray and not finished, including those waiting for resources
         bar.set_postfix(done=counts["done"], running=len(pending), failed=counts["failed"])
     bar.close()
-    return records
