@@ -91,7 +91,7 @@ def markdown(cells, records, stats: Dict[str, Any], sweep_block) -> str:
             key = (cell.merge.label, cell.variant.name)
             failed_by_row[key] = failed_by_row.get(key, 0) + 1
     lines = [f"# Sweep results: `{metric}` ({direction})", "",
-             f"| merge | surgery variant | n | mean ± std | per seed | failed |",
+             "| merge | surgery variant | n | mean ± std | per seed | failed |",
              "|---|---|---|---|---|---|"]
     for label, by_variant in stats["by_merge"].items():
         for variant, group in by_variant["groups"].items():
