@@ -213,3 +213,14 @@ def test_pipeline_trains_reports_and_exports_router(tiny_family, merged_copy, tm
         assert torch.equal(route_rows(router, data.merged_hidden, mask), training_side)
         _, held = split_held_out(len(data.prompt_lengths), surgery.held_out, 0)
         assert (training_side[held] == index).all()
+
+
+def test_router_eval_texts_are_captured_on_the_merged_model(tiny_family, merged_copy, tmp_path):
+    """router_eval given: the fallback share is measured on those texts. Giving a domain's own
+    calibration prompts must send none of them to "none" (states captured as at training)."""
+    from mergekit_darts.pipeline import run_surgery
+
+    source = _config(tiny_family, tmp_path).replace(
+        "surgery:\n", "surgery:\n  router_eval:\n    texts: " + json.dumps(MATH) + "\n", 1)
+    ood = run_surgery(source, merged_copy, progress=False)["router"]["out_of_domain"]
+    assert ood == {"source": "router_eval", "records": len(MATH), "none_share": 0.0}
