@@ -53,6 +53,7 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         kl = info.get("held_out_kl") or {}
         kl_change = f"{_fmt(kl.get('before'))} → {_fmt(kl.get('after'))}" if kl else "–"
         lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {change} | {kl_change} |")
+    lines += _router_lines(darts_meta.get("router"), (report or {}).get("router"))
     example = next(iter(domains))
     lines += [
         "",
@@ -75,6 +76,42 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         "",
     ]
     return "\n".join(lines)
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def _router_lines(settings: Optional[dict], measured: Optional[dict]) -> list:
+    """The routing section: settings, per-domain accuracy and the confusion matrix (docs/routing.md)."""
+    if not settings:
+        return []
+    measured = measured or {}
+    labels = [*settings["domains"], "none"]
+    split = "held-out" if measured.get("split") == "held_out" else "training"
+    lines = [
+        "",
+        "### Automatic domain routing",
+        "",
+        f"`darts_domain=\"auto\"` picks each prompt's domain from the merged model's own final hidden states "
+        f"(mean-pooled prompt, {settings['kind']} router); a prompt whose confidence is below "
+        f"{settings['threshold']} gets `none` (the plain merge).",
+        "",
+    ]
+    confusion = measured.get("confusion") or {}
+    if confusion:
+        lines += [f"Routing on {split} calibration records (rows: true domain, columns: routed to):", "",
+                  "| Domain | Accuracy | " + " | ".join(f"→ `{label}`" for label in labels) + " |",
+                  "|---|---|" + "---|" * len(labels)]
+        for name, row in confusion.items():
+            cells = " | ".join(str(row.get(label, 0)) for label in labels)
+            lines.append(f"| `{name}` | {_pct((measured.get('accuracy') or {}).get(name))} | {cells} |")
+    ood = measured.get("out_of_domain") or {}
+    if ood.get("none_share") is not None:
+        what = ("the `router_eval` texts" if ood.get("source") == "router_eval" else
+                "each domain's prompts routed by a router trained without that domain")
+        lines += ["", f"Out-of-domain prompts sent to `none`: {_pct(ood['none_share'])} (on {what})."]
+    return lines
 
 
 def updated_card(out_dir: str, section: str) -> str:
