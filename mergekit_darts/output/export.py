@@ -87,6 +87,10 @@ def export_surgery(
     darts_report.json and summarised in the model card; ``extra_files`` (name -> source path) are
     copied in. Running it again replaces the previous surgery entirely.
     """
+    from mergekit_darts.repair.report import sanitized_report
+
+    # NaN/inf in the report become null + a "non_finite_values" list: darts_report.json stays valid JSON
+    report = sanitized_report(report) if report is not None else None
     config_path = os.path.join(out_dir, "config.json")
     config = read_json(config_path)
     arch = plain_architecture(config)
