@@ -5,9 +5,9 @@ Defaults are the paper's. Unknown keys are errors, and every error names its pat
 """
 
 import re
-from typing import Any, Dict, List, Literal, Optional, get_args
+from typing import Annotated, Any, Dict, List, Literal, Optional, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mergekit_darts.errors import SurgeryConfigError  # noqa: F401  (re-exported: the schema's error)
 
@@ -29,6 +29,41 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _yaml_float(value: Any) -> Any:
+    """Floats as YAML writes them: PyYAML reads ``1e-3`` (no dot) as a string, so a string that is a
+    number is accepted; a boolean (``lr: true`` would otherwise become 1.0) is not."""
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"expected a number, got {value!r}") from None
+    return value
+
+
+# Strict ints: YAML's `rank: true` or `seed: 1e25` (a float) must be errors, not 1 / 10**25.
+StrictInt = Annotated[int, Field(strict=True)]
+YamlFloat = Annotated[float, BeforeValidator(_yaml_float), Field(strict=True)]
+
+# Upper bounds (docs/reliability.md): far above any real use, low enough that a typo (1e9) is an
+# error instead of a multi-GB allocation. The pre-merge checks also bound rank by the hidden size.
+MAX_RANK = 65536  # no released model has a hidden size above this
+MAX_POSITIONS = 131072  # 128k: the longest context window of common open models
+MAX_STEPS = 10_000_000
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range
+MAX_BATCH = 1 << 20
+
+
+def _module_attribute_names() -> frozenset:
+    """Names a domain cannot have: the emitted model keeps domains in an ``nn.ModuleDict``, which
+    refuses keys that are attributes (``keys``, ``forward``, ``training``, ...). Taken from the
+    installed torch, so a newer torch's attributes are covered too."""
+    import torch.nn
+
+    return frozenset(dir(torch.nn.ModuleDict()))
+
+
 class CalibrationConfig(_Strict):
     """Where a domain's calibration prompts come from: exactly one of path / texts / dataset."""
 
@@ -39,10 +74,10 @@ class CalibrationConfig(_Strict):
     split: str = "train"
     field: str = "text"
     separator: Literal["line", "blank"] = "line"
-    samples: int = Field(50, gt=0)
+    samples: StrictInt = Field(50, gt=0, le=100_000_000)
     template: Optional[str] = None
-    chat_template: bool = False
-    continue_tokens: int = Field(0, ge=0)
+    chat_template: bool = Field(False, strict=True)
+    continue_tokens: StrictInt = Field(0, ge=0, le=MAX_POSITIONS)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -66,18 +101,18 @@ class SurgeryConfig(_Strict):
     method: Method = "darts"
     loss: Loss = "ewl1"
     content: Content = "relu"
-    rank: int = Field(16, gt=0)
-    head_rank: int = Field(0, ge=0)
-    max_positions: int = Field(512, gt=0)
-    steps: int = Field(500, ge=0)
-    lr: float = Field(1.0e-3, gt=0)
-    batch_size: Optional[int] = Field(None, gt=0)
-    seed: Optional[int] = None
+    rank: StrictInt = Field(16, gt=0, le=MAX_RANK)
+    head_rank: StrictInt = Field(0, ge=0, le=MAX_RANK)
+    max_positions: StrictInt = Field(512, gt=0, le=MAX_POSITIONS)
+    steps: StrictInt = Field(500, ge=0, le=MAX_STEPS)
+    lr: YamlFloat = Field(1.0e-3, gt=0, allow_inf_nan=False)
+    batch_size: Optional[StrictInt] = Field(None, gt=0, le=MAX_BATCH)
+    seed: Optional[StrictInt] = Field(None, ge=0, le=MAX_SEED)
     device: str = "auto"
     dtype: Dtype = "auto"
-    held_out: float = Field(0.2, ge=0, lt=1)
-    capture_batch_size: int = Field(8, gt=0)
-    kl_chunk_size: int = Field(1024, gt=0)
+    held_out: YamlFloat = Field(0.2, ge=0, lt=1)
+    capture_batch_size: StrictInt = Field(8, gt=0, le=MAX_BATCH)
+    kl_chunk_size: StrictInt = Field(1024, gt=0, le=1 << 24)
     cache_dir: Optional[str] = None
     default_domain: Optional[str] = None
     domains: Dict[str, DomainConfig]
@@ -85,6 +120,9 @@ class SurgeryConfig(_Strict):
     router: Optional[bool] = None  # None: true when there are >= 2 domains
     router_threshold: float = Field(0.02, ge=0, le=1)  # chosen by measurement: docs/routing.md
     router_eval: Optional[CalibrationConfig] = None  # out-of-domain prompts to measure the fallback on
+    # A domain whose held-out metric got worse than the plain merge (or is not finite) is never made
+    # the default silently: the model then loads as "none". True keeps default_domain regardless.
+    allow_worse_default: bool = Field(False, strict=True)
 
     @field_validator("device")
     @classmethod
@@ -98,11 +136,17 @@ class SurgeryConfig(_Strict):
     def _domains(cls, value: Dict[str, DomainConfig]) -> Dict[str, DomainConfig]:
         if not value:
             raise ValueError("at least one domain is required")
+        reserved = _module_attribute_names()
         for name in value:
             if name in RESERVED_NAMES or not DOMAIN_NAME.match(name):
                 raise ValueError(
                     f"domain name {name!r} must be a Python-identifier-like name (letters, digits, _) "
                     f"and not one of {list(RESERVED_NAMES)}"
+                )
+            if name in reserved:
+                raise ValueError(
+                    f"domain name {name!r} is an attribute of torch's nn.ModuleDict, which holds the domains "
+                    f"in the emitted model (it could not be loaded); rename it, e.g. {name + '_domain'!r}"
                 )
         return value
 
@@ -143,6 +187,8 @@ def _format_error(error: ValidationError, prefix: str) -> str:
             msg = "unknown key (check the spelling; see the README for the supported keys)"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
+        elif item["type"] in ("int_type", "float_type", "int_from_float") and "input" in item:
+            msg = f"{msg} (got {item['input']!r}; write a plain number)"
         lines.append(f"{loc}: {msg}")
     return "; ".join(lines)
 
@@ -157,11 +203,37 @@ def parse_surgery_block(raw: Any, prefix: str = "surgery") -> SurgeryConfig:
         raise SurgeryConfigError(_format_error(error, prefix)) from None
 
 
-def split_yaml(config_source: str):
-    """Parse a mergekit YAML text into (merge config dict without ``surgery``, surgery block or None)."""
+def _unique_key_loader():
+    """A SafeLoader that rejects duplicate mapping keys (PyYAML keeps the last one silently: a second
+    ``math:`` domain would replace the first without a word)."""
     import yaml
 
-    data = yaml.safe_load(config_source)
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hashable = key in seen
+                except TypeError:
+                    continue  # an unhashable key: construct_mapping reports it
+                if hashable:
+                    raise SurgeryConfigError(
+                        f"config: duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at line "
+                        f"{seen[key] + 1}); YAML would silently keep only the last one"
+                    )
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+def split_yaml(config_source: str):
+    """Parse a mergekit YAML text into (merge config dict without ``surgery``, surgery block or None).
+    Duplicate keys anywhere in the file are errors."""
+    import yaml
+
+    data = yaml.load(config_source, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     if not isinstance(data, dict):
         raise SurgeryConfigError("config: expected a YAML mapping at the top level")
     surgery = data.pop("surgery", None)

@@ -61,22 +61,43 @@ def merge_and_repair(config_source: str, out_path: str, run_merge: Callable, opt
         return None
     settings = RunSettings.resolve(surgery, options)
     # a typo costs seconds, not a 70B merge
-    texts = check_before_merge(surgery, merge_config, settings)
-    run_merge(merge_config, out_path, options, config_source)
-    if not settings.quiet:
-        print(f"mergekit-darts: merge written to {out_path}; running {surgery.method} surgery "
-              f"on {len(surgery.domains)} domain(s)", file=sys.stderr)
-    try:
-        report = repair_directory(out_path, surgery, settings, texts=texts)
-    except Exception:
-        LOG.error(
-            "Surgery failed; %s is left as the plain merged model. Fix the cause and run "
-            "`mergekit-darts surgery CONFIG %s` to repair it without merging again.", out_path, out_path,
-        )
-        raise
+    texts = check_before_merge(surgery, merge_config, settings, out_path=out_path)
+    report = _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery,
+                                      settings, texts)
     if not settings.quiet:
         for line in summary_lines(report):
             print(f"mergekit-darts: {line}", file=sys.stderr)
+    return report
+
+
+def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery, settings,
+                             texts) -> dict:
+    """Merge and repair in a staging sibling; ``out_path`` changes only when both succeeded, so a
+    failed run leaves it as it was, or (when it held nothing) as the plain merge of this config
+    (docs/reliability.md)."""
+    from mergekit_darts.output.staging import StagedOutput
+
+    stage = StagedOutput(out_path)
+    try:
+        run_merge(merge_config, stage.path, options, config_source)
+    except BaseException:
+        stage.discard()
+        raise
+    if not settings.quiet:
+        print(f"mergekit-darts: merge written (staged for {out_path}); running {surgery.method} surgery "
+              f"on {len(surgery.domains)} domain(s)", file=sys.stderr)
+    try:
+        report = repair_directory(stage.path, surgery, settings, texts=texts)
+    except BaseException:
+        kept = stage.keep_plain_merge()
+        if kept == os.path.abspath(out_path):
+            LOG.error("Surgery failed; %s is left as the plain merged model. Fix the cause and run "
+                      "`mergekit-darts surgery CONFIG %s` to repair it without merging again.", out_path, out_path)
+        elif kept:
+            LOG.error("Surgery failed; %s is unchanged. The new plain merge is kept at %s: repair it with "
+                      "`mergekit-darts surgery CONFIG %s` and move it into place, or delete it.", out_path, kept, kept)
+        raise
+    stage.commit()
     return report
 
 
@@ -94,10 +115,15 @@ def summary_lines(report: dict) -> List[str]:
     """One line per domain: held-out bias and KL to the expert, before -> after."""
     lines = []
     for name, entry in report["domains"].items():
-        split = "held-out" if entry.get("bias_split", "held_out") == "held_out" else "training-set"
+        split = _split_label(entry)
         parts = [before_after(entry.get("bias"), f"{split} bias"),
-                 before_after(entry.get("held_out_kl"), "KL to expert")]
-        lines.append(f"{name}: " + ", ".join(part for part in parts if part))
+                 before_after(entry.get("held_out_kl"), f"{split} KL to expert")]
+        status = (entry.get("verdict") or {}).get("status", "improved")
+        warning = "" if status == "improved" else f"  WARNING: {status.replace('_', '-')} vs the plain merge"
+        lines.append(f"{name}: " + ", ".join(part for part in parts if part) + warning)
+    default = report.get("default_domain")
+    if isinstance(default, dict) and default.get("used") != default.get("requested"):
+        lines.append(f"default domain: {default['used']} (requested {default['requested']}: {default.get('reason')})")
     if report.get("router"):
         from mergekit_darts.repair.router import summary_lines as router_lines
 
@@ -135,13 +161,59 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
         trained = train_domain(name, data, captured.merged_head, surgery, settings)
         modules[name] = trained.module
         report["domains"][name] = trained.entry
-        LOG.info("domain %s: held-out bias %.4f -> %.4f", name, trained.entry["bias"]["mean_before"],
-                 trained.entry["bias"]["mean_after"])
+        LOG.info("domain %s: %s", name, before_after(trained.entry["bias"], f"{_split_label(trained.entry)} bias"))
     router = None
     if surgery.router_enabled:
         router, report["router"] = router_step(out_path, captured, surgery, settings)
-    export_step(out_path, surgery, modules, report, router)
+    default = _checked_default(report, surgery)
+    export_step(out_path, surgery, modules, report, router, default_domain=default)
     return report
+
+
+def _split_label(entry: dict) -> str:
+    """What the numbers were measured on: held-out records, or (held_out: 0, too few records) training ones."""
+    return "held-out" if entry.get("bias_split", "held_out") == "held_out" else "training-records"
+
+
+def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
+    """The default domain, never silently one that made things worse (docs/reliability.md)."""
+    from mergekit_darts.repair.report import choose_default
+
+    for name, entry in report["domains"].items():
+        verdict = entry["verdict"]
+        if verdict["status"] != "improved":
+            LOG.warning("domain %s: the correction is %s than the plain merge on %s (%s %s -> %s)", name,
+                        "WORSE" if verdict["status"] == "worse" else "NOT FINITE (no better)",
+                        verdict["measured_on"], verdict["metric"], verdict["before"], verdict["after"])
+    default = choose_default(report, surgery.active_domain, surgery.allow_worse_default)
+    if default != surgery.active_domain:
+        LOG.warning("default domain %r is %s; the output loads as the plain merge ('none'). Set "
+                    "surgery.allow_worse_default: true to keep it anyway.", surgery.active_domain,
+                    report["default_domain"]["reason"])
+    return default
+
+
+def check_finite_capture(captured, surgery: SurgeryConfig, settings: RunSettings) -> None:
+    """NaN/inf hidden states (an expert that overflows in the capture dtype) would train a NaN module."""
+    for name, data in captured.domains.items():
+        for what, tensor in (("merged model's", data.merged_hidden), ("expert's", data.expert_hidden),
+                             ("expert's entropy", data.expert_entropy)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise SurgeryConfigError(
+                    f"surgery.domains.{name}: the {what} captured states hold NaN/inf (dtype {settings.dtype}); "
+                    f"check the model {surgery.domains[name].model!r} or capture with dtype: float32"
+                )
+
+
+def check_finite_training(name: str, module, corrected: torch.Tensor, surgery: SurgeryConfig) -> None:
+    """A diverged correction is never exported (it would load, and generate garbage)."""
+    bad = [key for key, value in module.state_dict().items() if not bool(torch.isfinite(value).all())]
+    if bad or not bool(torch.isfinite(corrected).all()):
+        what = f"non-finite parameters {bad}" if bad else "non-finite corrected states"
+        raise SurgeryConfigError(
+            f"surgery.domains.{name}: training diverged ({what}); lower surgery.lr (now {surgery.lr:g}) "
+            "or surgery.steps"
+        )
 
 
 def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
@@ -162,11 +234,13 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
         specs.append(DomainCaptureSpec(name=name, expert=domain.model, texts=domain_texts,
                                        continue_tokens=domain.calibration.continue_tokens,
                                        add_special_tokens=not domain.calibration.chat_template))
-    return capture_domains(
+    captured = capture_domains(
         out_path, specs, surgery.max_positions, dtype=settings.dtype, device=settings.device,
         batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
         trust_remote_code=settings.trust_remote_code, progress=settings.progress,
     )
+    check_finite_capture(captured, surgery, settings)
+    return captured
 
 
 @dataclass
@@ -188,7 +262,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     """Train one domain's module on its cached states and measure it on the held-out records."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
     from mergekit_darts.repair.capture import resolve_device
-    from mergekit_darts.repair.report import bias_by_position
+    from mergekit_darts.repair.report import bias_by_position, domain_verdict
     from mergekit_darts.repair.train import train_surgery
 
     device = resolve_device(settings.device)
@@ -228,6 +302,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     held = {k: v[eval_idx] for k, v in tensors.items()}
     with torch.no_grad():
         corrected = module(held["merged"].float(), held["position_ids"])
+    check_finite_training(name, module, corrected, surgery)
     entry["bias"] = bias_by_position(
         held["merged"].float(), held["target"].float(), held["mask"], held["position_ids"],
         held["entropy"], corrected, max_positions=surgery.max_positions,
@@ -235,6 +310,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     # whatever the training loss, report how much of the expert's next-token distribution the
     # correction recovers: the quantity that decides generation (docs/design.md §3)
     entry["held_out_kl"] = held_out_kl(module, held, data.expert_head, merged_head, surgery.kl_chunk_size)
+    entry["verdict"] = domain_verdict(entry, surgery.loss)
     return TrainedDomain(module=module, entry=entry)
 
 
@@ -295,7 +371,7 @@ def _capture_router_eval(out_path: str, surgery: SurgeryConfig, settings: RunSet
 
 
 def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], report: dict,
-                router=None) -> None:
+                router=None, default_domain: Optional[str] = None) -> None:
     """The bias plot (best effort) and the atomic export of modules, report and card."""
     from mergekit_darts.output.export import export_surgery
     from mergekit_darts.repair.report import plot_bias
@@ -309,5 +385,5 @@ def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], 
         except Exception as error:  # a plot must never cost the user their surgery
             LOG.warning("could not draw darts_bias.png: %s", error)
         export_surgery(out_path, modules, {name: d.model for name, d in surgery.domains.items()},
-                       surgery.active_domain, loss=surgery.loss, report=report, extra_files=extra,
-                       router=router)
+                       default_domain or surgery.active_domain, loss=surgery.loss, report=report,
+                       extra_files=extra, router=router)

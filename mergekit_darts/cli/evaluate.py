@@ -74,9 +74,12 @@ def _evaluate_kwargs(data, limit, allow_code_execution, batch_size, max_gen_toks
 @click.option("--domain", required=True, help="darts_domain to activate ('none' = the plain merged model).")
 @_eval_options
 @click.option("--compare-none", is_flag=True, help="Also evaluate darts_domain=none and print both.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Run OUT_PATH's own modeling code (needed for any --domain but none), as transformers requires.")
 @click.option("--output-dir", default=None, metavar="DIR",
               help="Write results.json (and alpaca_outputs.<domain>.json for alpaca_darts) here.")
-def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, output_dir: Optional[str], **kwargs):
+def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, trust_remote_code: bool,
+                 output_dir: Optional[str], **kwargs):
     """Score OUT_PATH with one domain active on GSM8K / HumanEval / instruction tasks (lm-eval, offline).
 
     \b
@@ -91,7 +94,8 @@ def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, out
     domains = (["none"] if compare_none and domain != "none" else []) + [domain]
     options = _evaluate_kwargs(**kwargs)
     try:
-        runs = [evaluate(out_path, d, task_list, outputs_dir=output_dir, **options) for d in domains]
+        runs = [evaluate(out_path, d, task_list, outputs_dir=output_dir, trust_remote_code=trust_remote_code,
+                         **options) for d in domains]
     except EvaluationError as error:
         raise click.UsageError(str(error)) from None
     click.echo("\n" + results_table(runs))  # a newline: progress bars leave the cursor mid-line

@@ -86,7 +86,8 @@ def task_scorer(tasks: Sequence[str], **evaluate_kwargs) -> Scorer:
     def score(out_dir: str, report: Dict[str, Any]) -> Dict[str, float]:
         scores = {}
         for domain in report.get("domains", {}):
-            result = evaluate(out_dir, domain, tasks, **evaluate_kwargs)
+            # the directory's code was written by this run's export (the packaged remote_code files)
+            result = evaluate(out_dir, domain, tasks, trust_remote_code=True, **evaluate_kwargs)
             for task, metrics in result["tasks"].items():
                 scores.update({f"{domain}/{task}/{metric}": value for metric, value in metrics.items()})
         return scores

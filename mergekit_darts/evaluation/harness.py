@@ -108,9 +108,17 @@ def prepare_tasks(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]
 # ----------------------------------------------------------------------------------------------
 # Evaluation
 
-def model_args(model_dir: str, domain: str, dtype: str = "auto") -> Dict[str, Any]:
+def model_args(model_dir: str, domain: str, dtype: str = "auto", trust_remote_code: bool = False) -> Dict[str, Any]:
+    """lm-eval ``hf`` model arguments. A Darts directory's correction lives in Python files inside it;
+    they run only with ``trust_remote_code`` given explicitly (as transformers and lm-eval require).
+    Without it, ``domain`` must be "none": the directory then loads as the plain merged model."""
     args: Dict[str, Any] = {"pretrained": model_dir, "dtype": dtype}
-    if is_darts_dir(model_dir):
+    if is_darts_dir(model_dir) and domain != NONE_DOMAIN and not trust_remote_code:
+        raise EvaluationError(
+            f"{model_dir}: --domain {domain} runs the Python code in that directory (modeling_darts.py, "
+            "surgery.py); pass --trust-remote-code (trust_remote_code=True) if you trust it"
+        )
+    if is_darts_dir(model_dir) and trust_remote_code:
         args.update(trust_remote_code=True, darts_domain=domain)
     elif domain != NONE_DOMAIN:
         raise EvaluationError(
@@ -142,7 +150,7 @@ def evaluate(
     model_dir: str, domain: str, tasks: Sequence[str], data: Union[None, str, Mapping[str, str]] = None,
     limit: Optional[int] = None, allow_code_execution: bool = False, batch_size: Union[int, str] = 1,
     device: Optional[str] = None, max_gen_toks: Optional[int] = None, apply_chat_template: bool = False,
-    outputs_dir: Optional[str] = None, dtype: str = "auto",
+    outputs_dir: Optional[str] = None, dtype: str = "auto", trust_remote_code: bool = False,
 ) -> Dict[str, Any]:
     """Score ``model_dir`` with ``darts_domain=domain`` on ``tasks``; returns a JSON-able dict.
 
@@ -155,7 +163,7 @@ def evaluate(
             "humaneval_darts executes model-written code; pass --allow-code-execution "
             "(allow_code_execution=True) to run it in the sandbox"
         )
-    args = model_args(model_dir, domain, dtype)
+    args = model_args(model_dir, domain, dtype, trust_remote_code=trust_remote_code)
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager

@@ -40,10 +40,14 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         f"- Added parameters: {added:,} ({100.0 * added / max(merged, 1):.3f}% of the merged model's {merged:,})",
         f"- Default domain: `{default_domain}`",
         "",
-        "| Domain | Expert | Calibration (train / held-out) | Final loss | Held-out bias before → after "
-        "| Held-out KL to expert before → after |",
-        "|---|---|---|---|---|---|",
+        "| Domain | Expert | Calibration (train / held-out) | Final loss | Measured on | Bias before → after "
+        "| KL to expert before → after | Verdict |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    chosen = (report or {}).get("default_domain")
+    if isinstance(chosen, dict) and chosen.get("used") != chosen.get("requested"):
+        lines[lines.index(f"- Default domain: `{default_domain}`")] += (
+            f" (requested `{chosen.get('requested')}`: {chosen.get('reason')})")
     for name, expert in domains.items():
         info = by_domain.get(name, {})
         calib = info.get("calibration") or {}
@@ -52,7 +56,13 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         change = f"{_fmt(bias.get('mean_before'))} → {_fmt(bias.get('mean_after'))}" if bias else "–"
         kl = info.get("held_out_kl") or {}
         kl_change = f"{_fmt(kl.get('before'))} → {_fmt(kl.get('after'))}" if kl else "–"
-        lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {change} | {kl_change} |")
+        # numbers from training records (held_out: 0 or too few records) must not be called held-out
+        measured = "held-out records" if info.get("bias_split", "held_out") == "held_out" else "**training records**"
+        verdict = (info.get("verdict") or {}).get("status", "–")
+        if verdict in ("worse", "non_finite"):
+            verdict = f"**{verdict.replace('_', '-')} than the plain merge**"
+        lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {measured} | {change} "
+                     f"| {kl_change} | {verdict} |")
     lines += _router_lines(darts_meta.get("router"), (report or {}).get("router"))
     example = next(iter(domains))
     lines += [

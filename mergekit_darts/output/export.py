@@ -101,6 +101,10 @@ def export_surgery(
     settings; it makes ``default_domain="auto"`` possible. Running it again replaces the previous
     surgery entirely (a rerun without a router drops the earlier one).
     """
+    from mergekit_darts.repair.report import sanitized_report
+
+    # NaN/inf in the report become null + a "non_finite_values" list: darts_report.json stays valid JSON
+    report = sanitized_report(report) if report is not None else None
     config_path = os.path.join(out_dir, "config.json")
     config = read_json(config_path)
     arch = plain_architecture(config)

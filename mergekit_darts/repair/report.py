@@ -129,7 +129,9 @@ def plot_bias(report: Dict[str, Any], path: str) -> str:
         lines = ax.get_legend_handles_labels()
         lines2 = ax2.get_legend_handles_labels()
         ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper left")
-    fig.suptitle("Representation bias vs position (held-out calibration)", fontsize=10)
+    held_out = all(d.get("bias_split", "held_out") == "held_out" for d in domains.values())
+    fig.suptitle("Representation bias vs position (" + ("held-out calibration" if held_out else
+                 "measured on TRAINING records: held_out 0 or too few records") + ")", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -146,17 +148,20 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 def summary_table(report: Dict[str, Any]) -> str:
     """A plain-text table (Table 3 style) of the per-domain bias before/after surgery."""
-    header = ["domain", "train", "held-out", "final loss", "L1 before", "L1 after", "reduction",
-              "EW-L1 before", "EW-L1 after"]
+    header = ["domain", "train", "held-out", "measured on", "final loss", "L1 before", "L1 after", "reduction",
+              "EW-L1 before", "EW-L1 after", "verdict"]
     rows = [header]
     for name, entry in report.get("domains", {}).items():
         bias = entry.get("bias") or {}
         calib = entry.get("calibration") or {}
         before, after = bias.get("mean_before"), bias.get("mean_after")
         reduction = f"{100 * (1 - after / before):.1f}%" if before and after is not None else "-"
-        rows.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), _fmt(entry.get("final_loss")),
-                     _fmt(before), _fmt(after), reduction, _fmt(bias.get("mean_before_weighted")),
-                     _fmt(bias.get("mean_after_weighted"))])
+        measured = "held-out" if entry.get("bias_split", "held_out") == "held_out" else "TRAINING records"
+        status = (entry.get("verdict") or {}).get("status", "-")
+        rows.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), measured,
+                     _fmt(entry.get("final_loss")), _fmt(before), _fmt(after), reduction,
+                     _fmt(bias.get("mean_before_weighted")), _fmt(bias.get("mean_after_weighted")),
+                     status if status in ("improved", "-") else status.upper()])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -185,3 +190,79 @@ def render_report(out_dir: str, plot: bool = True) -> str:
         plot_bias(report, tmp)
         os.replace(tmp, final)
     return summary_table(report)
+
+
+# ---------------------------------------------------------------------------------------------- verdicts
+
+def _headline(entry: Dict[str, Any], loss: str):
+    """(label, before, after) of the held-out metric the training loss optimises: the KL to the expert
+    for ``kl``, the entropy-weighted L1 bias for the ``ew*`` losses, the plain L1 bias otherwise."""
+    if loss == "kl":
+        kl = entry.get("held_out_kl") or {}
+        return "KL to expert", kl.get("before"), kl.get("after")
+    bias = entry.get("bias") or {}
+    if loss.startswith("ew"):
+        return "entropy-weighted bias", bias.get("mean_before_weighted"), bias.get("mean_after_weighted")
+    return "bias", bias.get("mean_before"), bias.get("mean_after")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def domain_verdict(entry: Dict[str, Any], loss: str) -> Dict[str, Any]:
+    """``{"status": "improved" | "worse" | "non_finite", "metric", "before", "after", "measured_on"}``:
+    whether the correction made the domain's headline metric better than the plain merge."""
+    label, before, after = _headline(entry, loss)
+    verdict = {"metric": label, "before": before, "after": after,
+               "measured_on": "held-out records" if entry.get("bias_split", "held_out") == "held_out"
+               else "training records"}
+    if not (_finite(before) and _finite(after)):
+        verdict["status"] = "non_finite"
+    elif after > before:
+        verdict["status"] = "worse"
+    else:
+        verdict["status"] = "improved"
+    return verdict
+
+
+def choose_default(report: Dict[str, Any], requested: str, allow_worse: bool) -> str:
+    """The domain the output loads with. A requested domain whose verdict is not "improved" becomes
+    "none" (the plain merge) unless ``allow_worse`` (surgery.allow_worse_default); the choice and
+    its reason are recorded in ``report["default_domain"]``."""
+    entry = report.get("domains", {}).get(requested)
+    verdict = (entry or {}).get("verdict") or {}
+    chosen, reason = requested, None
+    if entry is not None and verdict.get("status") != "improved":
+        if verdict.get("status") == "non_finite":
+            chosen, reason = "none", "its metric is not finite"
+        elif allow_worse:
+            reason = "kept although worse than the plain merge (surgery.allow_worse_default: true)"
+        else:
+            chosen, reason = "none", "worse than the plain merge"
+    report["default_domain"] = {"requested": requested, "used": chosen, **({"reason": reason} if reason else {})}
+    return chosen
+
+
+def finite_report(data: Any, path: str = "", found: Optional[List[str]] = None):
+    """``data`` with every NaN/inf float replaced by None, and the JSON paths replaced: the report
+    must stay valid JSON (``write_json`` refuses NaN) and say which values were not finite."""
+    found = [] if found is None else found
+    if isinstance(data, float) and not math.isfinite(data):
+        found.append(path or "$")
+        return None
+    if isinstance(data, dict):
+        return {key: finite_report(value, f"{path}.{key}" if path else str(key), found) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite_report(value, f"{path}[{i}]", found) for i, value in enumerate(data)]
+    return data
+
+
+def sanitized_report(report: Dict[str, Any]) -> Dict[str, Any]:
+    """The report as written to darts_report.json: non-finite numbers -> null, listed under
+    ``"non_finite_values"`` (absent when there were none)."""
+    found: List[str] = []
+    clean = finite_report({k: v for k, v in report.items() if k != "non_finite_values"}, "", found)
+    if found:
+        clean["non_finite_values"] = found
+    return clean
