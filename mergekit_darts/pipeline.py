@@ -159,6 +159,7 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
         out_path, specs, surgery.max_positions, dtype=settings.dtype, device=settings.device,
         batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
         trust_remote_code=settings.trust_remote_code, progress=settings.progress,
+        device_map=surgery.device_map, max_memory=surgery.max_memory,
     )
 
 
