@@ -208,6 +208,8 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         expert_head=data.expert_head.to(device, torch.float32) if kl else None,
         merged_head=merged_head.to(device, torch.float32) if kl else None,
         kl_chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
+        kl_target=surgery.kl_target, kl_top_k=surgery.kl_top_k, kl_precision=surgery.kl_precision,
+        kl_positions_per_step=surgery.kl_positions_per_step,
     )
     module = module.cpu().eval()
     entry: Dict[str, Any] = {
