@@ -122,3 +122,21 @@ def test_bad_options_are_named():
         train_surgery(module, *args, loss="kl", steps=1, kl_positions_per_step=0, **heads)
     with pytest.raises(ValueError, match="kl_precision"):
         train_surgery(module, *args, loss="kl", steps=1, kl_precision="fp8", **heads)
+
+
+def test_surgery_block_scale_options_default_to_the_exact_single_device_path():
+    from mergekit_darts.config import SurgeryConfigError, parse_surgery_block
+
+    base = {"loss": "kl", "domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}}
+    surgery = parse_surgery_block(base)
+    assert (surgery.kl_target, surgery.kl_precision, surgery.kl_positions_per_step) == ("exact", "float32", None)
+    assert surgery.device_map is None and surgery.max_memory is None
+    surgery = parse_surgery_block({**base, "kl_target": "bf16", "kl_positions_per_step": 4096,
+                                   "device_map": "auto", "max_memory": {0: "20GiB", "cpu": "60GiB"}})
+    assert surgery.max_memory == {0: "20GiB", "cpu": "60GiB"}
+    for bad, field in [({"kl_positions_per_step": 0}, "surgery.kl_positions_per_step"),
+                       ({"device_map": {"lm_head": "gpu"}}, "surgery.device_map"),
+                       ({"device_map": "auto", "max_memory": {"cpu": "lots"}}, "surgery.max_memory"),
+                       ({"max_memory": {"cpu": "1GiB"}}, "max_memory needs device_map")]:
+        with pytest.raises(SurgeryConfigError, match=field):
+            parse_surgery_block({**base, **bad})
