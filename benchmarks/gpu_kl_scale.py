@@ -12,7 +12,7 @@ as the pipeline does. Each variant runs the real ``train_surgery`` loop (rank 16
 * exact-mixed:         exact targets with bf16 matmuls (what mixed precision alone gives)
 
 Per-step time = (time of 1 + S steps - time of 1 step) / S, so the one-time target build is separate
-(reported as ``setup_s``). Peak CUDA memory per variant is recorded.
+(reported as ``setup_s``); medians over ``--repeats`` pairs. Peak CUDA memory per variant is recorded.
 
     python benchmarks/gpu_kl_scale.py                      # on a CUDA machine (a few minutes on an H200)
     python benchmarks/gpu_kl_scale.py --small --device cpu # tiny shapes: checks that the script runs
@@ -20,6 +20,7 @@ Per-step time = (time of 1 + S steps - time of 1 step) / S, so the one-time targ
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -50,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=40, help="training samples (paper: 50 with 20%% held out)")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (after one warm-up step)")
+    p.add_argument("--repeats", type=int, default=1, help="pairs of (1 step, 1 + steps) runs; medians are used")
     p.add_argument("--total-steps", type=int, default=500)
     p.add_argument("--domains", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -57,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.small:
-        args.hidden, args.vocab, args.samples, args.tokens, args.steps, args.chunk = 64, 512, 4, 32, 3, 64
+        args.hidden, args.vocab, args.samples, args.tokens, args.steps, args.chunk = 64, 512, 4, 32, 20, 64
+        args.repeats = max(args.repeats, 3)  # a shared CPU is noisy
         VARIANTS["topk-mixed-pps4096"]["kl_positions_per_step"] = 48
     return args
 
@@ -106,11 +109,15 @@ def main(argv=None):
         options = VARIANTS[name]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        setup_s, _ = run(tensors, options, 1, args, device)  # target build + one step + warm-up
-        total_s, history = run(tensors, options, 1 + args.steps, args, device)
-        per_step = (total_s - setup_s) / args.steps
+        setups, per_steps = [], []
+        for _ in range(args.repeats):
+            setup_s, _ = run(tensors, options, 1, args, device)  # target build + one step
+            total_s, history = run(tensors, options, 1 + args.steps, args, device)
+            setups.append(setup_s)
+            per_steps.append((total_s - setup_s) / args.steps)
+        setup_s, per_step = statistics.median(setups), statistics.median(per_steps)
         full = args.total_steps * args.domains * per_step + args.domains * setup_s
-        results[name] = {"options": options, "setup_s": setup_s, "seconds_per_step": per_step,
+        results[name] = {"options": options, "setup_s": setup_s, "per_step_runs": per_steps, "seconds_per_step": per_step,
                          "seconds_total_steps_domains": full, "first_loss": history[0], "last_loss": history[-1],
                          "peak_cuda_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
         rows.append([name, f"{setup_s:.3f}", f"{per_step:.4f}", f"{full:.1f}", f"{full / 60:.2f}", history[-1]])
