@@ -140,3 +140,31 @@ def test_surgery_block_scale_options_default_to_the_exact_single_device_path():
                        ({"max_memory": {"cpu": "1GiB"}}, "max_memory needs device_map")]:
         with pytest.raises(SurgeryConfigError, match=field):
             parse_surgery_block({**base, **bad})
+
+
+def test_yaml_with_offloaded_capture_and_scaled_kl_end_to_end(tiny_family, merged_copy, tmp_path, caplog):
+    """The surgery block's scale options reach the capture and the training loop through the pipeline."""
+    import os
+
+    from helpers import merge_yaml
+    from mergekit_darts.pipeline import run_surgery
+
+    half = sum(os.path.getsize(os.path.join(merged_copy, f)) for f in os.listdir(merged_copy)
+               if f.endswith(".safetensors")) // 2
+    texts = ["how many apples are left if we have 7 and give 2 ?", "what is 3 plus 4 ?",
+             "how many pears are left if we have 9 and give 4 ?", "what is 8 minus 5 ?"]
+    config = merge_yaml(tiny_family) + "\n".join([
+        "surgery:", "  loss: kl", "  rank: 4", "  head_rank: 2", "  max_positions: 32", "  steps: 30",
+        "  lr: 0.01", "  held_out: 0.25", f"  cache_dir: {tmp_path / 'cache'}",
+        "  device_map: auto", f"  max_memory: {{cpu: {half}}}",
+        "  kl_target: bf16", "  kl_positions_per_step: 16",
+        "  domains:", "    math:", f"      model: {tiny_family['math']}", "      calibration:",
+        f"        texts: {texts}"]) + "\n"
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="mergekit_darts.repair.models"):
+        report = run_surgery(config, merged_copy, progress=False)
+    placed = [r.getMessage() for r in caplog.records if "placed as" in r.getMessage()]
+    assert len(placed) == 2 and all("'disk'" in message for message in placed)  # merged + expert, offloaded
+    kl = report["domains"]["math"]["held_out_kl"]
+    assert kl["after"] < kl["before"]  # the held-out KL is the exact one, whatever the training target
