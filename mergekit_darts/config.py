@@ -5,7 +5,7 @@ Defaults are the paper's. Unknown keys are errors, and every error names its pat
 """
 
 import re
-from typing import Annotated, Any, Dict, List, Literal, Optional, get_args
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -23,6 +23,12 @@ DTYPES = get_args(Dtype)
 DOMAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # "none" = plain merge, "auto" = routed, "router" = the router's tensors (darts.router.*)
 RESERVED_NAMES = ("none", "auto", "router")
+DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential"]
+KLTarget = Literal["exact", "topk", "bf16"]
+KLPrecision = Literal["float32", "mixed"]
+_MAP_DEVICE = re.compile(r"^(cpu|disk|mps|cuda:\d+)$")
+_MEMORY_KEY = re.compile(r"^(cpu|disk|mps|cuda:\d+|\d+)$")
+_MEMORY_SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMGT]i?B|B)$", re.IGNORECASE)
 
 
 class _Strict(BaseModel):
@@ -117,12 +123,49 @@ class SurgeryConfig(_Strict):
     default_domain: Optional[str] = None
     domains: Dict[str, DomainConfig]
     # automatic domain routing (docs/routing.md)
-    router: Optional[bool] = None  # None: true when there are >= 2 domains
-    router_threshold: float = Field(0.02, ge=0, le=1)  # chosen by measurement: docs/routing.md
+    router: Optional[bool] = Field(None, strict=True)  # None: true when there are >= 2 domains
+    router_threshold: YamlFloat = Field(0.02, ge=0, le=1)  # chosen by measurement: docs/routing.md
     router_eval: Optional[CalibrationConfig] = None  # out-of-domain prompts to measure the fallback on
     # A domain whose held-out metric got worse than the plain merge (or is not finite) is never made
     # the default silently: the model then loads as "none". True keeps default_domain regardless.
     allow_worse_default: bool = Field(False, strict=True)
+    # scale (docs/scale.md): capture across devices (accelerate) and KL at the paper's scale.
+    # The defaults keep the single-device capture and the exact float32 full-batch KL.
+    device_map: Optional[Union[DeviceMapStrategy, Dict[str, Union[int, str]]]] = None
+    max_memory: Optional[Dict[Union[int, str], Union[int, str]]] = None
+    kl_target: KLTarget = "exact"
+    kl_top_k: StrictInt = Field(256, gt=0, le=1 << 24)
+    kl_precision: KLPrecision = "float32"
+    kl_positions_per_step: Optional[StrictInt] = Field(None, gt=0, le=1 << 30)
+
+    @field_validator("device_map")
+    @classmethod
+    def _device_map(cls, value):
+        if isinstance(value, dict):
+            if not value:
+                raise ValueError("an explicit map needs at least one entry (module name -> device)")
+            for module, device in value.items():
+                if not (isinstance(device, int) and device >= 0) and not (
+                        isinstance(device, str) and _MAP_DEVICE.match(device)):
+                    raise ValueError(f"module {module!r}: unknown device {device!r}; use a GPU index, "
+                                     "cuda:N, cpu, mps or disk")
+        return value
+
+    @field_validator("max_memory")
+    @classmethod
+    def _max_memory(cls, value):
+        for device, size in (value or {}).items():
+            if not _MEMORY_KEY.match(str(device)):
+                raise ValueError(f"unknown device {device!r}; use a GPU index (0, 1, ...), cpu, mps or disk")
+            if not ((isinstance(size, int) and size > 0) or (isinstance(size, str) and _MEMORY_SIZE.match(size.strip()))):
+                raise ValueError(f"{device}: size {size!r} must be a byte count or like '20GiB' / '500MB'")
+        return value
+
+    @model_validator(mode="after")
+    def _max_memory_needs_map(self):
+        if self.max_memory is not None and self.device_map is None:
+            raise ValueError("max_memory needs device_map (e.g. device_map: auto); it has no effect without one")
+        return self
 
     @field_validator("device")
     @classmethod

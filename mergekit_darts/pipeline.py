@@ -238,6 +238,7 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
         out_path, specs, surgery.max_positions, dtype=settings.dtype, device=settings.device,
         batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
         trust_remote_code=settings.trust_remote_code, progress=settings.progress,
+        device_map=surgery.device_map, max_memory=surgery.max_memory,
     )
     check_finite_capture(captured, surgery, settings)
     return captured
@@ -288,6 +289,8 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         expert_head=data.expert_head.to(device, torch.float32) if kl else None,
         merged_head=merged_head.to(device, torch.float32) if kl else None,
         kl_chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
+        kl_target=surgery.kl_target, kl_top_k=surgery.kl_top_k, kl_precision=surgery.kl_precision,
+        kl_positions_per_step=surgery.kl_positions_per_step,
     )
     module = module.cpu().eval()
     entry: Dict[str, Any] = {

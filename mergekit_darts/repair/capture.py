@@ -77,11 +77,15 @@ def capture_domains(
     cache_dir: Optional[str] = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    device_map=None,
+    max_memory: Optional[dict] = None,
 ) -> CaptureResult:
     """Capture merged and expert final hidden states (+ expert entropies) for every domain.
 
     Order: if any domain continues its prompts (``continue_tokens > 0``) the experts go first, since
     the merged model must be captured on the continued ids; otherwise the merged model goes first.
+    ``device_map`` / ``max_memory`` (accelerate's) spread each model over devices, cpu and disk
+    (repair/placement.py); ``device`` then only picks the default dtype and where results are computed.
     """
     from transformers import AutoTokenizer
 
@@ -93,7 +97,8 @@ def capture_domains(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     cache = _Cache(cache_dir)
-    ctx = _Ctx(device, dtype, batch_size, max_positions, trust_remote_code, progress, cache)
+    ctx = _Ctx(device, dtype, batch_size, max_positions, trust_remote_code, progress, cache,
+               device_map=device_map, max_memory=max_memory)
 
     merged_dir = resolve_model_dir(merged_path)
     tokenizer = AutoTokenizer.from_pretrained(merged_dir, trust_remote_code=trust_remote_code)
