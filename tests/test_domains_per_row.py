@@ -137,3 +137,39 @@ def test_two_threads_with_different_domains_match_sequential_outputs(tiny):
     for thread in threads:
         thread.join()
     assert not errors and not mismatches, (errors[:3], mismatches[:5], len(mismatches))
+
+
+# ------------------------------------------------------------------------------- head-correction chunks
+
+@pytest.mark.parametrize("domains", [None, MIXED])
+def test_head_correction_in_small_chunks_is_the_same(tiny, monkeypatch, domains):
+    """The head correction is added chunk by chunk (bounded memory); tiny chunks that split rows must
+    give the logits of one whole-batch chunk."""
+    import sys
+
+    model, batch = tiny["model"], tiny["batch"]
+    with torch.no_grad():
+        whole = model(**batch, darts_domain=domains).logits
+        monkeypatch.setattr(sys.modules[type(model).__module__], "HEAD_CHUNK_TOKENS", 3)
+        chunked = model(**batch, darts_domain=domains).logits
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+
+
+def test_bfloat16_head_correction_sums_in_float32(tiny):
+    """bf16 logits: each row's logits equal (bf16 head logits + float32 correction) rounded once to bf16,
+    computed independently from the same model's bf16 LM head and float32 surgery."""
+    model = load(tiny["path"], trust_remote_code=True, dtype=torch.bfloat16)
+    batch = tiny["batch"]
+    surgery = model.darts["math"]
+    seen = {}
+    handle = model.lm_head.register_forward_pre_hook(lambda m, args: seen.update(h=args[0]))
+    try:
+        with torch.no_grad():
+            got = model(**batch).logits
+    finally:
+        handle.remove()
+    assert got.dtype == torch.bfloat16 and surgery.head_up.weight.dtype == torch.float32
+    with torch.no_grad():
+        head_logits = torch.nn.functional.linear(seen["h"], model.lm_head.weight)
+        expected = (head_logits.float() + surgery.head_correction(seen["h"])).to(torch.bfloat16)
+    assert torch.equal(got, expected)

@@ -94,28 +94,40 @@ def _darts_norm_hook(module, args, output):
     return result
 
 
+# Tokens per head-correction chunk: the float32 correction is made and added chunk by chunk, so its
+# memory is ~HEAD_CHUNK_TOKENS x vocab floats (32 MB at a 32k vocabulary) whatever the batch and length.
+HEAD_CHUNK_TOKENS = 256
+
+
 def _darts_head_hook(module, args, output):
     call = _ACTIVE_CALL.get()
     if call is None or module is not call.head or call.groups[0][0].head_rank == 0:
         return output
-    hidden = args[0]
+    if not output.is_contiguous():  # the in-place sums below work on a flat view
+        output = output.contiguous()
+    vocab = output.shape[-1]
+    hidden = args[0].reshape(-1, args[0].shape[-1])  # [tokens, H]: the corrected h_hat fed to the head
+    logits = output.view(-1, vocab)
+    per_row = logits.shape[0] // output.shape[0]
+    if output.dtype == torch.float32:  # one float32 chunk, never more than the logits themselves
+        chunk = min(HEAD_CHUNK_TOKENS, logits.shape[0])
+    else:  # the float32 chunk and the float32 copy the mixed-dtype add makes: together <= the logits
+        chunk = max(1, min(HEAD_CHUNK_TOKENS // 2, logits.shape[0] * output.element_size() // 8))
     for surgery, rows in call.groups:
-        if surgery.head_up.weight.shape[0] != output.shape[-1]:
+        if surgery.head_up.weight.shape[0] != vocab:
             raise ValueError(
                 f"darts: a head correction was trained for a vocabulary of {surgery.head_up.weight.shape[0]} "
-                f"tokens but the LM head now has {output.shape[-1]} (resized embeddings?); use "
-                "darts_domain='none' or retrain the surgery"
+                f"tokens but the LM head now has {vocab} (resized embeddings?); use darts_domain='none' or "
+                "retrain the surgery"
             )
         device = _device_for(surgery.head_down, hidden.device)
-        part = hidden if rows is None else hidden.index_select(0, rows.to(hidden.device))
-        # the only logits-sized buffer: float32 U(V h_hat); the sum is formed in it or in the output itself
-        correction = surgery.head_correction(part.to(device)).to(output.device)
-        if rows is None:
-            _add_in_place(output, correction)
-        else:  # row by row: views, so no gathered copy of the logits
-            for i, row in enumerate(rows.tolist()):
-                _add_in_place(output[row], correction[i])
-        del correction
+        spans = [(0, logits.shape[0])] if rows is None else [(r * per_row, (r + 1) * per_row) for r in rows.tolist()]
+        for start, stop in spans:
+            for begin in range(start, stop, chunk):
+                end = min(begin + chunk, stop)
+                correction = surgery.head_correction(hidden[begin:end].to(device)).to(output.device)
+                _add_in_place(logits[begin:end], correction)
+                del correction  # before the next chunk is made: one chunk alive at a time
     return output
 
 
