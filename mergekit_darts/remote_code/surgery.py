@@ -146,16 +146,34 @@ class DomainSurgery(nn.Module):
             self.head_down.reset_parameters()
             nn.init.zeros_(self.head_up.weight)
 
+    @staticmethod
+    def _float32_math(tensor: torch.Tensor):
+        """Autocast off on the tensor's device: the correction computes in float32 even inside
+        ``torch.autocast`` (which would otherwise run its linears in bfloat16/float16)."""
+        return torch.autocast(device_type=tensor.device.type, enabled=False)
+
+    @staticmethod
+    def _linear32(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
+        """``layer(inputs)`` in float32. The layer is *called* (not its ``.weight`` read) so hooks that
+        load offloaded weights (accelerate cpu/disk offload) run; a layer cast away from float32 (e.g.
+        ``model.half()``) is upcast on the fly."""
+        if layer.weight.dtype == torch.float32:
+            return layer(inputs)
+        return nn.functional.linear(inputs, layer.weight.float())
+
     def content(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """c(h) = up(ReLU(down(h))) (or up(down(h)) for linear content) in float32: the part subtracted."""
-        h = hidden_states.float()
-        inner = nn.functional.linear(h, self.down.weight.float())
-        if self.content_kind == "relu":
-            inner = torch.relu(inner)
-        return nn.functional.linear(inner, self.up.weight.float())
+        with self._float32_math(hidden_states):
+            inner = self._linear32(self.down, hidden_states.float())
+            if self.content_kind == "relu":
+                inner = torch.relu(inner)
+            return self._linear32(self.up, inner)
 
     def position_correction(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """b[pos] in float32, zero for positions outside [0, max_positions)."""
+        """b[pos] in float32, zero for positions outside [0, max_positions).
+
+        Reads ``position_bias`` directly: call it from ``forward`` only, where offloading hooks
+        (accelerate) have loaded the module's own parameters."""
         bias = self.position_bias.float()
         valid = (position_ids >= 0) & (position_ids < self.max_positions)
         rows = bias[position_ids.clamp(0, self.max_positions - 1).long()]
@@ -166,27 +184,28 @@ class DomainSurgery(nn.Module):
             raise ValueError(
                 f"hidden_states: expected [..., {self.hidden_size}], got {tuple(hidden_states.shape)}"
             )
-        h = hidden_states.float()
-        corrected = h - self.content(h)
-        if self.position_bias is not None:
-            if position_ids is None:
-                raise ValueError("position_ids: required for method 'darts'")
-            if tuple(position_ids.shape) != tuple(hidden_states.shape[:-1]):
-                raise ValueError(
-                    f"position_ids: shape {tuple(position_ids.shape)} does not match hidden_states "
-                    f"{tuple(hidden_states.shape[:-1])}"
-                )
-            corrected = corrected - self.position_correction(position_ids.to(h.device))
+        with self._float32_math(hidden_states):
+            h = hidden_states.float()
+            corrected = h - self.content(h)
+            if self.position_bias is not None:
+                if position_ids is None:
+                    raise ValueError("position_ids: required for method 'darts'")
+                if tuple(position_ids.shape) != tuple(hidden_states.shape[:-1]):
+                    raise ValueError(
+                        f"position_ids: shape {tuple(position_ids.shape)} does not match hidden_states "
+                        f"{tuple(hidden_states.shape[:-1])}"
+                    )
+                corrected = corrected - self.position_correction(position_ids.to(h.device))
         return corrected.to(hidden_states.dtype)
 
     def head_correction(self, corrected_hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        """Logit-space correction U(V h_hat) in float32, or None when head_rank == 0."""
+        """Logit-space correction U(V h_hat) in float32, or None when head_rank == 0.
+
+        The result is the only logits-sized tensor made here (the rank-r intermediate is small)."""
         if self.head_down is None:
             return None
-        h = corrected_hidden.float()
-        return nn.functional.linear(
-            nn.functional.linear(h, self.head_down.weight.float()), self.head_up.weight.float()
-        )
+        with self._float32_math(corrected_hidden):
+            return self._linear32(self.head_up, self._linear32(self.head_down, corrected_hidden.float()))
 
     def extra_repr(self) -> str:
         return (
