@@ -38,10 +38,12 @@ class LazyGroup(click.Group):
             formatter.write_dl([(name, short) for name, (_, short) in COMMANDS.items()])
 
     def invoke(self, ctx):
+        from mergekit_darts.console import user_logging
         from mergekit_darts.errors import DartsError, to_click_error
 
         try:
-            return super().invoke(ctx)
+            with user_logging():  # our warnings as "mergekit-darts: warning: ...", each once per run
+                return super().invoke(ctx)
         except DartsError as error:
             raise to_click_error(error) from None
 

@@ -138,7 +138,7 @@ def _groups(value: str) -> Dict[str, Dict[str, str]]:
 def compare_command(config_file: str, out_path: str, seeds: int, first_seed: int, groups: str, demo: bool,
                     demo_seed: int, tasks: str, json_path: str, restore: bool, device, cuda, random_seed,
                     trust_remote_code, quiet, **kwargs):
-    """Surgery variants over several calibration seeds (the paper's Table 4: standard + L1 vs DARTS + EWL1).
+    """Surgery variants over several calibration seeds: standard + L1 vs DARTS + EWL1 by default.
 
     \b
     Trains both on MERGED_PATH once per seed (hidden states are cached, so reruns only train),
