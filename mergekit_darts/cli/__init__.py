@@ -20,6 +20,7 @@ COMMANDS = {
     "eval": ("mergekit_darts.cli.evaluate:eval_command", "Task scores of one domain through lm-eval (offline)."),
     "compare": ("mergekit_darts.cli.evaluate:compare_command", "Surgery variants over several seeds, with tests."),
     "demo": ("mergekit_darts.cli.demo:demo_command", "The built-in demo on a tiny model family (CPU)."),
+    "push": ("mergekit_darts.cli.hub:push_command", "Check an output directory, then upload it to the Hub."),
 }
 
 
