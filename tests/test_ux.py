@@ -105,3 +105,171 @@ def test_documented_eval_commands_run_as_printed(darts_dir, tmp_path, monkeypatc
         assert table, result.output
     exported = json.loads((tmp_path / "gen" / "alpaca_outputs.math.json").read_text())
     assert [r["instruction"] for r in exported][:1] == ["Reverse the order of the words: red green blue"]
+
+
+# --- 5. warnings: readable, and once per run ------------------------------------------------
+
+def test_calibration_warning_is_readable_and_printed_once_per_command(tmp_path):
+    import io
+
+    from mergekit_darts.config import CalibrationConfig
+    from mergekit_darts.console import user_logging
+    from mergekit_darts.repair.calibration import load_calibration_texts
+
+    cal = CalibrationConfig(texts=["a b", "c d", "e f"], samples=50)
+    stream = io.StringIO()
+    with user_logging(stream):
+        for seed in range(5):  # what compare does: the same calibration for every seed and group
+            assert len(load_calibration_texts(cal, seed, where="surgery.domains.code.calibration")) == 3
+    lines = stream.getvalue().splitlines()
+    assert lines == ["mergekit-darts: warning: surgery.domains.code.calibration: 'texts' has 3 records, fewer "
+                     "than samples=50; using all 3 (set samples: 3 to silence this)"]
+    logger = logging.getLogger("mergekit_darts")
+    assert logger.propagate and not logger.handlers  # restored after the command
+
+
+def test_the_offline_example_does_not_warn_about_itself():
+    import yaml
+
+    from mergekit_darts.config import SurgeryConfig
+
+    with open(os.path.join(REPO, "examples", "tiny_offline.yml")) as handle:
+        surgery = SurgeryConfig.model_validate(yaml.safe_load(handle)["surgery"])
+    for name, domain in surgery.domains.items():
+        cal = domain.calibration
+        count = len(cal.texts) if cal.texts is not None else sum(1 for _ in open(os.path.join(REPO, cal.path)))
+        assert cal.samples <= count, f"{name}: samples={cal.samples} > {count} records"
+
+
+# --- 7. compare's wording and our own loads --------------------------------------------------
+
+def test_compare_table_labels_directions_and_explains_small_samples():
+    from mergekit_darts.evaluation.compare import compare_table, smallest_p, summarize_groups
+
+    stats = {
+        "math/heldout_l1": {**summarize_groups({"standard+l1": [0.4, 0.5], "darts+ewl1": [0.2, 0.3]}), "better": "lower"},
+        "math/demo_accuracy": summarize_groups({"standard+l1": [3, 4, 5, 6], "darts+ewl1": [1, 2, 2, 1]}),
+    }
+    table = compare_table({"stats": stats})
+    assert "math/heldout_l1 (lower is better)" in table and "math/demo_accuracy (higher is better)" in table
+    assert "darts+ewl1 better on mean" in table.split("math/demo_accuracy")[0]
+    assert "standard+l1 better on mean" in table.split("math/demo_accuracy")[1]
+    assert "Shapiro: n=2, needs 3" in table and "Shapiro W=-" not in table
+    assert "smallest two-sided Mann-Whitney p possible is 0.33" in table
+    assert smallest_p(2, 2) == pytest.approx(1 / 3) and smallest_p(4, 4) == pytest.approx(2 / 70)
+
+
+def test_capture_of_a_repaired_directory_prints_no_load_report(darts_dir, caplog):
+    """Loading a repaired directory as the plain merge (what the capture does) lists its darts.*
+    tensors as UNEXPECTED in transformers' load report; our own loads keep that quiet."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from mergekit_darts.repair.models import _Ctx, _ModelSlot
+
+    ctx = _Ctx(device=torch.device("cpu"), dtype=torch.float32, batch_size=1, max_positions=8,
+               trust_remote_code=False, progress=False, cache=None)
+    hf_logging.enable_propagation()  # let caplog see transformers' records
+    try:
+        with caplog.at_level(logging.WARNING):
+            _ModelSlot(darts_dir, ctx).get()
+            assert "LOAD REPORT" not in caplog.text and "UNEXPECTED" not in caplog.text
+            assert hf_logging.get_verbosity() != hf_logging.ERROR  # restored afterwards
+            AutoModelForCausalLM.from_pretrained(darts_dir)  # a plain load does report them
+            assert "LOAD REPORT" in caplog.text and "darts.math.up.weight" in caplog.text
+    finally:
+        hf_logging.disable_propagation()
+
+
+# --- 10/11. report: held-out KL in the table; the figure with several variants -----------------
+
+def _report(tmp_path, loss, after_scale):
+    import torch
+
+    from mergekit_darts.repair.report import bias_by_position
+
+    g = torch.Generator().manual_seed(0)
+    merged, expert = torch.randn(3, 12, 4, generator=g), torch.randn(3, 12, 4, generator=g)
+    corrected = expert + after_scale * torch.randn(3, 12, 4, generator=g)
+    ones = torch.ones(3, 12, dtype=torch.long)
+    bias = bias_by_position(merged, expert, ones, (ones.cumsum(-1) - 1), torch.rand(3, 12, generator=g) + 0.1,
+                            corrected, bins=6)
+    return {"surgery": {"method": "darts", "loss": loss, "rank": 2, "max_positions": 16, "steps": 3, "seed": 0},
+            "domains": {d: {"expert": f"/models/{d}", "calibration": {"train": 8, "held_out": 2}, "final_loss": 0.1,
+                            "bias": bias, "held_out_kl": {"before": 0.5, "after": 0.5 * after_scale,
+                                                          "gap_closed": 1 - after_scale}}
+                        for d in ("math", "code")}}
+
+
+def test_report_table_includes_held_out_kl(tmp_path):
+    from mergekit_darts.repair.report import summary_table
+
+    table = summary_table(_report(tmp_path, "kl", 0.25))
+    header = next(line for line in table.splitlines() if line.startswith("domain"))
+    assert "KL before" in header and "KL after" in header and "KL gap closed" in header
+    math_row = next(line for line in table.splitlines() if line.startswith("math"))
+    assert math_row.split()[-3:] == ["0.5", "0.125", "75.0%"]
+
+
+def test_bias_figure_draws_several_variants_without_a_legend_over_data(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mergekit_darts.repair.report import plot_bias, variant_label
+
+    reports = {variant_label(r): r for r in (_report(tmp_path, "ewl1", 0.5), _report(tmp_path, "kl", 0.2))}
+    assert list(reports) == ["DARTS + EWL1", "DARTS + KL"]
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))  # keep the figure to inspect it
+    path = plot_bias(reports, str(tmp_path / "bias.png"))
+    assert open(path, "rb").read(4) == b"\x89PNG"
+    fig = figures[0]
+    axes = fig.axes
+    assert len(axes) == 6  # 3 rows (L1, entropy-weighted L1, KL) x 2 domains; no twin axes
+    assert [ax.get_title() for ax in axes[:2]] == ["math", "code"]  # no "math (vs math)"
+    assert all(ax.get_legend() is None for ax in axes) and len(fig.legends) == 1
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["merged, no surgery (before)", "after DARTS + EWL1", "after DARTS + KL"]
+    bars = [t.get_text() for t in axes[4].get_yticklabels()]
+    assert bars == ["merged", "DARTS + EWL1", "DARTS + KL"]
+    # the legend sits below every panel
+    legend_top = fig.legends[0].get_window_extent().y1
+    assert all(ax.get_window_extent().y0 > legend_top for ax in axes)
+    # a single report (what every surgery writes) still works
+    plot_bias(reports["DARTS + KL"], str(tmp_path / "one.png"))
+
+
+# --- 6. benchmarks never replace the committed results unless asked ---------------------------
+
+def test_benchmark_results_go_to_a_new_file_unless_overwrite(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import _common
+
+    monkeypatch.setattr(_common, "RESULTS_DIR", str(tmp_path))
+    first = _common.write_json("bench_x", {"run": 1})
+    second = _common.write_json("bench_x", {"run": 2})
+    assert first == str(tmp_path / "bench_x.json") and second != first
+    assert json.loads(open(first).read()) == {"run": 1} and json.loads(open(second).read()) == {"run": 2}
+    _common.write_json("bench_x", {"run": 3}, overwrite=True)
+    assert json.loads(open(first).read()) == {"run": 3}
+    import subprocess
+
+    ignored = subprocess.run(["git", "check-ignore", os.path.relpath(second, tmp_path)], cwd=REPO,
+                             capture_output=True, text=True)
+    rel = os.path.join("benchmarks", "results", os.path.basename(second))
+    assert subprocess.run(["git", "check-ignore", "-q", rel], cwd=REPO).returncode == 0, ignored
+
+
+def test_license_files_and_paper_citation():
+    with open(os.path.join(REPO, "LICENSE")) as handle:
+        text = handle.read()
+    assert "GNU LESSER GENERAL PUBLIC LICENSE" in text and "Version 3, 29 June 2007" in text
+    with open(os.path.join(REPO, "COPYING")) as handle:
+        assert "GNU GENERAL PUBLIC LICENSE" in handle.read()
+    from mergekit_darts.output.card import card_section
+
+    meta = {"method": "darts", "rank": 2, "max_positions": 8, "head_rank": 0, "loss": "ewl1", "domains": {"math": "m"}}
+    assert "arxiv.org/abs/2608.28547" in card_section("LlamaForCausalLM", meta, "math", None, 10, 1000)
