@@ -103,7 +103,9 @@ def variant_label(report: Dict[str, Any]) -> str:
     settings = report.get("surgery") or {}
     method = {"darts": "DARTS", "standard": "standard"}.get(settings.get("method"), settings.get("method") or "surgery")
     loss = str(settings.get("loss") or "").upper()
-    return f"{method} + {loss}" if loss else method
+    label = f"{method} + {loss}" if loss else method
+    content = settings.get("content")
+    return f"{label}, {content}" if content and content != "relu" else label
 
 
 def _variants(reports: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
