@@ -21,6 +21,8 @@ LOSSES = get_args(Loss)
 CONTENTS = get_args(Content)
 DTYPES = get_args(Dtype)
 DOMAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# "none" = plain merge, "auto" = routed, "router" = the router's tensors (darts.router.*)
+RESERVED_NAMES = ("none", "auto", "router")
 
 
 class _Strict(BaseModel):
@@ -79,6 +81,10 @@ class SurgeryConfig(_Strict):
     cache_dir: Optional[str] = None
     default_domain: Optional[str] = None
     domains: Dict[str, DomainConfig]
+    # automatic domain routing (docs/routing.md)
+    router: Optional[bool] = None  # None: true when there are >= 2 domains
+    router_threshold: float = Field(0.02, ge=0, le=1)  # chosen by measurement: docs/routing.md
+    router_eval: Optional[CalibrationConfig] = None  # out-of-domain prompts to measure the fallback on
 
     @field_validator("device")
     @classmethod
@@ -93,21 +99,34 @@ class SurgeryConfig(_Strict):
         if not value:
             raise ValueError("at least one domain is required")
         for name in value:
-            if name == "none" or not DOMAIN_NAME.match(name):
+            if name in RESERVED_NAMES or not DOMAIN_NAME.match(name):
                 raise ValueError(
                     f"domain name {name!r} must be a Python-identifier-like name (letters, digits, _) "
-                    "and not 'none'"
+                    f"and not one of {list(RESERVED_NAMES)}"
                 )
         return value
 
     @model_validator(mode="after")
     def _default_domain(self):
+        if self.default_domain == "auto":
+            if not self.router_enabled:
+                raise ValueError(
+                    "default_domain 'auto' needs the router, but router is "
+                    + ("false" if self.router is False else "off by default with a single domain")
+                    + "; set router: true or name a domain"
+                )
+            return self
         if self.default_domain is not None and self.default_domain != "none" and self.default_domain not in self.domains:
             raise ValueError(
                 f"default_domain {self.default_domain!r} is not a domain; choose one of "
-                f"{sorted(self.domains) + ['none']}"
+                f"{sorted(self.domains) + ['none'] + (['auto'] if self.router_enabled else [])}"
             )
         return self
+
+    @property
+    def router_enabled(self) -> bool:
+        """Whether a router is trained and exported (``router:``, by default with >= 2 domains)."""
+        return self.router if self.router is not None else len(self.domains) >= 2
 
     @property
     def active_domain(self) -> str:

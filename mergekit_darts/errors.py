@@ -18,6 +18,10 @@ class EvaluationError(DartsError, ValueError):
     """A bad evaluation request (unknown task, missing data, code execution not allowed, ...)."""
 
 
+class FoldError(DartsError, ValueError):
+    """A domain's correction cannot be folded exactly into the LM head (``bake``, ``export-peft``)."""
+
+
 class DeviceError(DartsError, RuntimeError):
     """The requested device is not available on this machine."""
 
@@ -31,3 +35,7 @@ def to_click_error(error: Exception):
         exit_code = 2
 
     return DartsClickError(str(error))
+
+
+class SweepConfigError(DartsError, ValueError):
+    """A sweep YAML (its ``sweep:`` block, or a cell it expands to) is invalid."""

@@ -98,6 +98,10 @@ def summary_lines(report: dict) -> List[str]:
         parts = [before_after(entry.get("bias"), f"{split} bias"),
                  before_after(entry.get("held_out_kl"), "KL to expert")]
         lines.append(f"{name}: " + ", ".join(part for part in parts if part))
+    if report.get("router"):
+        from mergekit_darts.repair.router import summary_lines as router_lines
+
+        lines += router_lines(report["router"])
     return lines
 
 
@@ -133,7 +137,10 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
         report["domains"][name] = trained.entry
         LOG.info("domain %s: held-out bias %.4f -> %.4f", name, trained.entry["bias"]["mean_before"],
                  trained.entry["bias"]["mean_after"])
-    export_step(out_path, surgery, modules, report)
+    router = None
+    if surgery.router_enabled:
+        router, report["router"] = router_step(out_path, captured, surgery, settings)
+    export_step(out_path, surgery, modules, report, router)
     return report
 
 
@@ -245,10 +252,50 @@ def held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str,
     head = module.head_correction if module.head_rank > 0 else None
     after = kl_loss(corrected, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size)
     gap_closed = 1.0 - float(after) / float(before) if float(before) > 0 else None
-    return {"before": float(before), "after": float(after), "gap_closed": gap_closed}
+    result = {"before": float(before), "after": float(after), "gap_closed": gap_closed}
+    if module.position_bias is not None:
+        # what `mergekit-darts bake --drop-position-bias` keeps: the correction without its table
+        unbiased = (merged - module.content(merged))[mask]
+        result["after_without_position_bias"] = float(
+            kl_loss(unbiased, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
+    return result
 
 
-def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], report: dict) -> None:
+def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSettings):
+    """Train the domain router on the captured prompt states (docs/routing.md); measure it on the
+    surgery's held-out records and on ``router_eval`` (or swapped domains). Returns (router, entry)."""
+    from mergekit_darts.repair.router import pooled_prompts, train_router
+
+    pooled = {name: pooled_prompts(data) for name, data in captured.domains.items()}
+    splits = {name: split_held_out(rows.shape[0], surgery.held_out, settings.seed) for name, rows in pooled.items()}
+    eval_pooled = None
+    if surgery.router_eval is not None:
+        eval_pooled = pooled_prompts(_capture_router_eval(out_path, surgery, settings))
+    return train_router(pooled, splits, surgery.router_threshold, eval_pooled=eval_pooled)
+
+
+def _capture_router_eval(out_path: str, surgery: SurgeryConfig, settings: RunSettings):
+    from transformers import AutoTokenizer
+
+    from mergekit_darts.repair.calibration import apply_chat_template, load_calibration_texts
+    from mergekit_darts.repair.capture import DomainCaptureSpec, capture_merged_prompts
+
+    where = "surgery.router_eval"
+    texts = load_calibration_texts(surgery.router_eval, settings.seed, where)
+    if surgery.router_eval.chat_template:
+        tokenizer = AutoTokenizer.from_pretrained(out_path, trust_remote_code=settings.trust_remote_code)
+        texts = apply_chat_template(texts, tokenizer, where=f"{where}.chat_template")
+    spec = DomainCaptureSpec(name="router_eval", expert=out_path, texts=texts,
+                             add_special_tokens=not surgery.router_eval.chat_template)
+    return capture_merged_prompts(
+        out_path, spec, surgery.max_positions, dtype=settings.dtype, device=settings.device,
+        batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
+        trust_remote_code=settings.trust_remote_code, progress=settings.progress,
+    )
+
+
+def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], report: dict,
+                router=None) -> None:
     """The bias plot (best effort) and the atomic export of modules, report and card."""
     from mergekit_darts.output.export import export_surgery
     from mergekit_darts.repair.report import plot_bias
@@ -262,4 +309,5 @@ def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], 
         except Exception as error:  # a plot must never cost the user their surgery
             LOG.warning("could not draw darts_bias.png: %s", error)
         export_surgery(out_path, modules, {name: d.model for name, d in surgery.domains.items()},
-                       surgery.active_domain, loss=surgery.loss, report=report, extra_files=extra)
+                       surgery.active_domain, loss=surgery.loss, report=report, extra_files=extra,
+                       router=router)

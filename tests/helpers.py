@@ -25,3 +25,42 @@ def merge_tiny(paths, out, domains=("math", "code")):
         shutil.rmtree(out)
     run_merge(config, out, options=MergeOptions(quiet=True), config_source=text)
     return out
+
+
+def linear_surgery_output(merged_dir, out, domains=("math", "code"), method="standard", head_rank=2, rank=3,
+                          max_positions=16, seed=0):
+    """Copy ``merged_dir`` to ``out`` and export random linear-content modules into it (no training:
+    every tensor is drawn large enough that a wrong fold shows in the logits). Returns ``out``."""
+    import torch
+
+    from mergekit_darts.output.export import export_surgery
+    from mergekit_darts.output.layout import read_config
+    from mergekit_darts.remote_code.surgery import DomainSurgery
+
+    shutil.copytree(merged_dir, out)
+    config = read_config(str(out))
+    torch.manual_seed(seed)
+    modules = {}
+    for name in domains:
+        module = DomainSurgery(config["hidden_size"], rank=rank, max_positions=max_positions, method=method,
+                               head_rank=head_rank, vocab_size=config["vocab_size"], content="linear")
+        with torch.no_grad():
+            for param in module.parameters():
+                param.normal_(0, 0.3)
+        modules[name] = module
+    export_surgery(str(out), modules, {name: f"experts/{name}" for name in domains}, domains[0], loss="kl")
+    return str(out)
+
+
+def logits_of(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def assert_same_logits(actual, expected, rel=1e-4):
+    """The issue's bar: max |difference| <= rel * max |logit| (float32)."""
+    diff = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert diff <= rel * scale, f"max |diff| {diff:.3g} > {rel} * max |logit| {scale:.3g}"

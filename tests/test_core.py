@@ -1,4 +1,4 @@
-"""The plain-torch core: DomainSurgery, losses, entropies and the trainer (DESIGN §3)."""
+"""The plain-torch core: DomainSurgery, losses, entropies and the trainer (docs/design.md §3)."""
 
 import math
 

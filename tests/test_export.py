@@ -1,4 +1,4 @@
-"""export_surgery on mergekit output directories: layout, atomicity, reruns, sharded input (DESIGN §5)."""
+"""export_surgery on mergekit output directories: layout, atomicity, reruns, sharded input (docs/design.md §5)."""
 
 import hashlib
 import json

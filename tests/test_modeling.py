@@ -1,4 +1,4 @@
-"""Darts*ForCausalLM as users load it: remote code, generate with a KV cache, lm-eval (DESIGN §2, §5).
+"""Darts*ForCausalLM as users load it: remote code, generate with a KV cache, lm-eval (docs/design.md §2, §5).
 
 Every Darts directory here is a tiny plain model plus random (non-trivial) surgery modules written by
 export_surgery, and every expectation is an independent manual computation on the plain model.

@@ -25,6 +25,11 @@ ABLATIONS = [
     ("standard_ewl1", "Standard + EWL1 (ablation)", {"method": "standard", "loss": "ewl1"}),
     ("darts_l1", "DARTS + L1 (ablation)", {"method": "darts", "loss": "l1"}),
     ("darts_kl", "DARTS + KL (beyond the paper)", {"method": "darts", "loss": "kl"}),
+    # no ReLU: the content correction folds into the LM head (`mergekit-darts bake`, `export-peft`);
+    # the position table does not, so this variant bakes only with --drop-position-bias
+    ("darts_kl_linear", "DARTS + KL, linear (foldable)", {"method": "darts", "loss": "kl", "content": "linear"}),
+    ("standard_kl_linear", "Standard + KL, linear (bakes exactly)",
+     {"method": "standard", "loss": "kl", "content": "linear"}),
 ]
 
 

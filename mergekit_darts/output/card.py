@@ -54,6 +54,7 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         kl = info.get("held_out_kl") or {}
         kl_change = f"{_fmt(kl.get('before'))} → {_fmt(kl.get('after'))}" if kl else "–"
         lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {change} | {kl_change} |")
+    lines += _router_lines(darts_meta.get("router"), (report or {}).get("router"))
     example = next(iter(domains))
     lines += [
         "",
@@ -78,8 +79,75 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
     return "\n".join(lines)
 
 
+def _pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def _router_lines(settings: Optional[dict], measured: Optional[dict]) -> list:
+    """The routing section: settings, per-domain accuracy and the confusion matrix (docs/routing.md)."""
+    if not settings:
+        return []
+    measured = measured or {}
+    labels = [*settings["domains"], "none"]
+    split = "held-out" if measured.get("split") == "held_out" else "training"
+    lines = [
+        "",
+        "### Automatic domain routing",
+        "",
+        f"`darts_domain=\"auto\"` picks each prompt's domain from the merged model's own final hidden states "
+        f"(mean-pooled prompt, {settings['kind']} router); a prompt whose confidence is below "
+        f"{settings['threshold']} gets `none` (the plain merge).",
+        "",
+    ]
+    confusion = measured.get("confusion") or {}
+    if confusion:
+        lines += [f"Routing on {split} calibration records (rows: true domain, columns: routed to):", "",
+                  "| Domain | Accuracy | " + " | ".join(f"→ `{label}`" for label in labels) + " |",
+                  "|---|---|" + "---|" * len(labels)]
+        for name, row in confusion.items():
+            cells = " | ".join(str(row.get(label, 0)) for label in labels)
+            lines.append(f"| `{name}` | {_pct((measured.get('accuracy') or {}).get(name))} | {cells} |")
+    ood = measured.get("out_of_domain") or {}
+    if ood.get("none_share") is not None:
+        what = ("the `router_eval` texts" if ood.get("source") == "router_eval" else
+                "each domain's prompts routed by a router trained without that domain")
+        lines += ["", f"Out-of-domain prompts sent to `none`: {_pct(ood['none_share'])} (on {what})."]
+    return lines
+
+
 def updated_card(out_dir: str, section: str) -> str:
     path = os.path.join(out_dir, CARD)
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
     text = _CARD_SECTION.sub("", text).rstrip("\n")
     return (text + "\n\n" if text else "") + section
+
+
+def baked_section(summary: dict, darts_meta: dict) -> str:
+    """The card section of a ``mergekit-darts bake`` directory: which correction was folded, and how."""
+    domain = summary["domain"]
+    folded = f"linear content correction of rank {summary['rank']}"
+    if summary["head_rank"]:
+        folded += f" and logit correction of rank {summary['head_rank']}"
+    lines = [
+        CARD_BEGIN,
+        "## Representation surgery, folded into the LM head",
+        "",
+        f"This is the merge with the `{domain}` domain's representation surgery (expert: "
+        f"{summary.get('expert') or '–'}; trained by [mergekit-darts](https://pypi.org/project/mergekit-darts/) "
+        f"with loss `{darts_meta.get('loss')}`) folded into its LM head by `mergekit-darts bake`: the "
+        f"{folded} became `lm_head.weight = (W + H_u·H_d)·(I − U·D)`. Every other tensor is the merge's.",
+        "It loads as a plain model (no remote code); its logits equal the repaired model's with "
+        f"`darts_domain=\"{domain}\"`" + (" except for the position table (see below)." if summary[
+            "dropped_position_bias"] else "."),
+        "",
+        "- The input embeddings are unchanged; `tie_word_embeddings` is false because the head is now domain-specific.",
+    ]
+    if summary["dropped_position_bias"]:
+        kl = summary.get("held_out_kl") or {}
+        measured = (f" Held-out KL to the expert: {_fmt(kl.get('after'))} with the table, "
+                    f"{_fmt(kl.get('after_without_position_bias'))} without it (plain merge: {_fmt(kl.get('before'))})."
+                    if "after_without_position_bias" in kl else "")
+        lines.append("- The per-position bias table of `method: darts` cannot be folded and was **dropped** "
+                     "(`--drop-position-bias`)." + measured)
+    lines += [CARD_END, ""]
+    return "\n".join(lines)

@@ -37,6 +37,9 @@ class CapturedDomain:
     expert_head: torch.Tensor  # [V, H] expert LM head weight (capture dtype)
     truncated: int  # samples cut to max_positions
     skipped: int  # records that tokenized to nothing
+    # [N] tokens of each row that are its prompt; the rest (up to the mask's end) is the expert's
+    # continuation. From the tokenization, not the cache, so the cache format is unchanged.
+    prompt_lengths: Optional[torch.LongTensor] = None
 
 
 @dataclass
@@ -127,8 +130,37 @@ def capture_domains(
             expert_head=expert_head,
             truncated=prompts[spec.name].truncated,
             skipped=prompts[spec.name].skipped,
+            prompt_lengths=torch.tensor([len(row) for row in prompts[spec.name].ids], dtype=torch.long),
         )
     return CaptureResult(domains=domains, merged_head=merged_out["head"])
+
+
+def capture_merged_prompts(
+    merged_path: str, spec: DomainCaptureSpec, max_positions: int, *, dtype="auto", device="auto",
+    batch_size: int = 8, cache_dir: Optional[str] = None, trust_remote_code: bool = False, progress: bool = True,
+) -> CapturedDomain:
+    """The merged model's final states of ``spec.texts`` alone (no expert, no continuation): what the
+    router's out-of-domain measurement (``router_eval``) needs. Expert fields are left empty."""
+    from transformers import AutoTokenizer
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    ctx = _Ctx(device, dtype, batch_size, max_positions, trust_remote_code, progress, _Cache(cache_dir))
+    merged_dir = resolve_model_dir(merged_path)
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir, trust_remote_code=trust_remote_code)
+    ctx.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ctx.hidden_size, ctx.vocab_size = _sizes(merged_dir, trust_remote_code)
+    prompts = _tokenize(tokenizer, spec, max_positions)
+    out = _capture_merged(_ModelSlot(merged_dir, ctx), [spec], {spec.name: prompts.ids}, ctx)
+    input_ids, mask = _pad(prompts.ids, ctx.pad_id)
+    empty = torch.zeros(0)
+    return CapturedDomain(
+        input_ids=input_ids, attention_mask=mask,
+        position_ids=torch.arange(input_ids.shape[1]).expand_as(input_ids).clone(),
+        merged_hidden=out["hidden"][spec.name], expert_hidden=empty, expert_entropy=empty, expert_head=empty,
+        truncated=prompts.truncated, skipped=prompts.skipped,
+        prompt_lengths=torch.tensor([len(row) for row in prompts.ids], dtype=torch.long),
+    )
 
 
 # --- capture passes --------------------------------------------------------------------------

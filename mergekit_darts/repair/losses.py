@@ -1,4 +1,4 @@
-"""Surgery losses (DESIGN §3) and the chunked vocabulary computations they need.
+"""Surgery losses (docs/design.md §3) and the chunked vocabulary computations they need.
 
 Hidden-state losses compare corrected merged states with the expert's states over valid positions.
 ``kl`` compares next-token distributions instead: the expert's (own head) against the corrected

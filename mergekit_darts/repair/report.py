@@ -267,9 +267,8 @@ def summary_table(report: Dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     settings = report.get("surgery") or {}
     if settings:
-        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in ("method", "loss", "rank",
-                                                                          "max_positions", "steps", "seed")
-                                              if k in settings))
+        keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")
+        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings))
     lines += ["", "All on the held-out calibration records; lower is better except 'KL gap closed'.",
               "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's.",
               "KL: KL(expert || model) of the next-token distribution (nats/token); gap closed = 1 - after/before."]

@@ -1,4 +1,4 @@
-"""The surgery training loop: cached tensors in, a trained DomainSurgery out (DESIGN §3).
+"""The surgery training loop: cached tensors in, a trained DomainSurgery out (docs/design.md §3).
 
 The models are frozen and their hidden states cached, so a step is a few small matmuls (plus two
 vocabulary-sized ones per chunk for ``kl``). Full batch unless ``batch_size`` is given.

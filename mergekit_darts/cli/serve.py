@@ -1,0 +1,64 @@
+"""``mergekit-darts bake | export-peft``: serve a repaired merge without remote code.
+
+Only click is imported at module level; torch and the writers load when a command runs.
+"""
+
+import click
+
+DROP_HELP = ("Fold a method: darts correction without its per-position bias table (it cannot be folded); "
+             "prints the held-out KL to the expert with and without the table.")
+
+
+def _kl_lines(domain: str, kl) -> list:
+    """What dropping the position table costs, as measured when the surgery was trained."""
+    if not kl or "after_without_position_bias" not in kl:
+        return [f"{domain}: dropped the position table; its effect was not measured (darts_report.json has no "
+                "held_out_kl.after_without_position_bias: re-run the surgery with this mergekit-darts to measure it)"]
+    return [f"{domain}: held-out KL to the expert (darts_report.json, measured on the held-out calibration records "
+            f"at training): plain merge {kl['before']:.4f}, with position table {kl['after']:.4f}, "
+            f"without it (what was folded) {kl['after_without_position_bias']:.4f}"]
+
+
+@click.command("bake")
+@click.argument("out_path", metavar="OUT_PATH")
+@click.argument("dest", metavar="DEST")
+@click.option("--domain", required=True, help="The domain whose correction is folded into the LM head.")
+@click.option("--drop-position-bias", is_flag=True, help=DROP_HELP)
+def bake_command(out_path: str, dest: str, domain: str, drop_position_bias: bool):
+    """Write DEST: the merge in OUT_PATH as a plain model with DOMAIN's correction folded into its LM head.
+
+    \b
+    OUT_PATH  a repaired directory trained with `content: linear`
+    DEST      a new directory (loads without trust_remote_code: vLLM, llama.cpp/GGUF conversion, ...)
+    """
+    from mergekit_darts.output.bake import bake
+
+    summary = bake(out_path, domain, dest, drop_position_bias=drop_position_bias)
+    if summary["dropped_position_bias"]:
+        for line in _kl_lines(domain, summary["held_out_kl"]):
+            click.echo(line)
+    click.echo(f"Baked domain {domain!r} into {dest} (lm_head from {summary['head_source']}, "
+               f"rank {summary['rank']} + head rank {summary['head_rank']})")
+
+
+@click.command("export-peft")
+@click.argument("out_path", metavar="OUT_PATH")
+@click.argument("dest", metavar="DEST")
+@click.option("--domain", "domains", multiple=True, help="Export only this domain (repeatable; default: all).")
+@click.option("--drop-position-bias", is_flag=True, help=DROP_HELP)
+def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: bool):
+    """Write DEST/<domain>/: one PEFT LoRA adapter on lm_head per domain, for the plain merge in OUT_PATH.
+
+    \b
+    OUT_PATH  a repaired directory trained with `content: linear`
+    DEST      a new directory; load with PeftModel.from_pretrained(plain_merge, "DEST/<domain>")
+    """
+    from mergekit_darts.output.bake import held_out_kl_note
+    from mergekit_darts.output.peft_export import export_peft
+
+    summaries = export_peft(out_path, dest, list(domains) or None, drop_position_bias=drop_position_bias)
+    for name, summary in summaries.items():
+        if summary["dropped_position_bias"]:
+            for line in _kl_lines(name, held_out_kl_note(out_path, name)):
+                click.echo(line)
+        click.echo(f"{name}: LoRA rank {summary['rank']} on lm_head -> {dest}/{name}")

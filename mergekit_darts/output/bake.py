@@ -1,0 +1,265 @@
+"""Fold one domain's linear correction into the LM head: a plain model directory (``mergekit-darts bake``).
+
+With ``content: linear`` the corrected state is ``ĥ = (I − U·D)·h`` and the logits are
+``W·ĥ + H_u·H_d·ĥ``, so a domain's whole correction is one matrix: ``W' = (W + H_u·H_d)·(I − U·D)``
+(U = up.weight, D = down.weight, H_u/H_d = head_up/head_down.weight). The per-position bias table
+adds a position-dependent term and cannot be folded; a ReLU content correction is not linear.
+
+The baked directory is the merge's own architecture: no ``auto_map``, no ``darts`` entry, no remote
+code. Tensors are streamed one at a time from the merged shards (``safe_open``) into new safetensors
+files written by hand, so memory stays near the largest tensor; everything is written into a staging
+directory beside DEST and switched in with one ``os.replace``.
+"""
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from safetensors import safe_open
+
+from mergekit_darts.errors import FoldError, FormatError
+from mergekit_darts.output import card, layout
+from mergekit_darts.output.layout import DARTS_SHARD, INDEX, SINGLE_SHARD, SINGLE_WEIGHTS
+from mergekit_darts.remote_code.surgery import SurgeryShape
+
+LOG = logging.getLogger(__name__)
+
+HEAD_KEY = "lm_head.weight"
+EMBED_KEY = "model.embed_tokens.weight"  # every supported architecture keeps it here
+# files of OUT that a plain model must not carry (remote code, darts weights and report) or that are rewritten
+NOT_COPIED = {*layout.MODELING_FILES, DARTS_SHARD, INDEX, SINGLE_WEIGHTS, layout.REPORT, layout.PLOT,
+              layout.CARD, "config.json"}
+ROW_CHUNK = 8192  # vocabulary rows folded at once (float64): bounds the fold's extra memory
+
+
+@dataclass
+class DomainFold:
+    """What a domain's correction is as LM-head matrices (float32, CPU); head_* are None at head_rank 0."""
+
+    domain: str
+    shape: SurgeryShape
+    up: torch.Tensor  # U: hidden × rank
+    down: torch.Tensor  # D: rank × hidden
+    head_up: Optional[torch.Tensor]  # H_u: vocab × head_rank
+    head_down: Optional[torch.Tensor]  # H_d: head_rank × hidden
+    dropped_position_bias: bool
+
+
+def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False) -> DomainFold:
+    """Read ``domain``'s tensors from ``out_dir`` after checking that they fold exactly."""
+    meta = layout.read_darts_entry(out_dir)
+    shape = SurgeryShape.from_meta(meta)
+    domains = list(meta.get("domains") or {})
+    if domain not in domains:
+        raise FoldError(f"--domain: unknown domain {domain!r}; {out_dir} has {', '.join(domains) or 'none'}")
+    check_foldable(shape, drop_position_bias)
+    shard = os.path.join(out_dir, DARTS_SHARD)
+    if not os.path.isfile(shard):
+        raise FormatError(f"{out_dir}: no {DARTS_SHARD}; the surgery export is incomplete")
+    names = ["up.weight", "down.weight"] + (["head_up.weight", "head_down.weight"] if shape.head_rank else [])
+    tensors = {}
+    with safe_open(shard, framework="pt") as handle:
+        available = set(handle.keys())
+        for name in names:
+            key = layout.darts_tensor_name(domain, name)
+            if key not in available:
+                raise FormatError(f"{shard}: missing tensor {key}")
+            tensors[name] = handle.get_tensor(key).float()
+    return DomainFold(domain=domain, shape=shape, up=tensors["up.weight"], down=tensors["down.weight"],
+                      head_up=tensors.get("head_up.weight"), head_down=tensors.get("head_down.weight"),
+                      dropped_position_bias=shape.method == "darts")
+
+
+def check_foldable(shape: SurgeryShape, drop_position_bias: bool) -> None:
+    if shape.content != "linear":
+        raise FoldError(
+            f"content: {shape.content!r} — a ReLU content correction is not linear and cannot be folded into the "
+            "LM head; retrain with `content: linear` in the surgery: block"
+        )
+    if shape.method == "darts" and not drop_position_bias:
+        raise FoldError(
+            "method: 'darts' — its per-position bias table cannot be folded into the LM head; pass "
+            "--drop-position-bias to fold the rest (it prints the held-out KL with and without the table), "
+            "or retrain with `method: standard`"
+        )
+
+
+def merged_head_source(out_dir: str, config: dict) -> str:
+    """The tensor that is the merged LM head: ``lm_head.weight``, or the input embeddings when tied."""
+    names = layout.merged_weight_map(out_dir)
+    if not config.get("tie_word_embeddings", False) and HEAD_KEY in names:
+        return HEAD_KEY
+    if EMBED_KEY in names:
+        return EMBED_KEY
+    if HEAD_KEY in names:
+        return HEAD_KEY
+    raise FormatError(f"{out_dir}: neither {HEAD_KEY} nor {EMBED_KEY} in the merged weights")
+
+
+def shard_path(out_dir: str, name: str) -> str:
+    path = os.path.join(out_dir, name)
+    if name == SINGLE_SHARD and not os.path.exists(path):
+        return os.path.join(out_dir, SINGLE_WEIGHTS)  # a merge that was never exported
+    return path
+
+
+def read_merged_tensor(out_dir: str, name: str) -> torch.Tensor:
+    with safe_open(shard_path(out_dir, layout.merged_weight_map(out_dir)[name]), framework="pt") as handle:
+        return handle.get_tensor(name)
+
+
+@torch.no_grad()
+def folded_head(head: torch.Tensor, fold: DomainFold) -> torch.Tensor:
+    """``W' = (W + H_u·H_d)·(I − U·D)`` in float64, cast to the head's dtype, ``ROW_CHUNK`` rows at a time."""
+    up, down = fold.up.double(), fold.down.double()
+    out = torch.empty_like(head)
+    for start in range(0, head.shape[0], ROW_CHUNK):
+        rows = head[start:start + ROW_CHUNK].double()
+        if fold.head_up is not None:
+            rows = rows + fold.head_up[start:start + ROW_CHUNK].double() @ fold.head_down.double()
+        out[start:start + ROW_CHUNK] = (rows - (rows @ up) @ down).to(head.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def write_safetensors(path: str, entries: List[tuple]) -> int:
+    """Write ``entries`` [(name, dtype string, shape, producer)] as one safetensors file, calling each
+    ``producer()`` (returns the tensor) only when its bytes are written. Returns the data size."""
+    header, offset = {}, 0
+    for name, dtype, shape, _ in entries:
+        count = 1
+        for dim in shape:
+            count *= dim
+        size = count * _DTYPE_BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
+    with open(path, "wb") as handle:
+        handle.write(len(encoded).to_bytes(8, "little"))
+        handle.write(encoded)
+        for name, _, _, producer in entries:
+            data = _tensor_bytes(producer())
+            if len(data) != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                raise FormatError(f"{path}: tensor {name} changed size while being written")
+            handle.write(data)
+    return offset
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def write_weights(out_dir: str, dest: str, replace: Dict[str, torch.Tensor]) -> None:
+    """The merged weights of ``out_dir`` into ``dest`` with ``replace``'d tensors (name -> tensor; a name
+    the merge lacks is added to the shard holding the embeddings); one shard keeps ``model.safetensors``."""
+    weight_map = layout.merged_weight_map(out_dir)
+    files = sorted(set(weight_map.values()))
+    added = {name: weight_map.get(name, weight_map.get(EMBED_KEY, files[0])) for name in replace}
+    single = len(files) == 1
+    total, new_map = 0, {}
+    for file_name in files:
+        source = shard_path(out_dir, file_name)
+        header = layout.safetensors_header(source)
+        target_name = SINGLE_WEIGHTS if single else file_name
+        with safe_open(source, framework="pt") as handle:
+            entries = []
+            for name in sorted(n for n, f in weight_map.items() if f == file_name and n not in replace):
+                info = header[name]
+                entries.append((name, info["dtype"], info["shape"], lambda n=name: handle.get_tensor(n)))
+            for name in sorted(n for n, f in added.items() if f == file_name):
+                tensor = replace[name]
+                entries.append((name, _safetensors_dtype(tensor.dtype), list(tensor.shape), lambda t=tensor: t))
+            entries.sort(key=lambda entry: entry[0])
+            total += write_safetensors(os.path.join(dest, target_name), entries)
+        new_map.update({entry[0]: target_name for entry in entries})
+    if not single:
+        layout.write_json(os.path.join(dest, INDEX),
+                          {"metadata": {"total_size": total}, "weight_map": dict(sorted(new_map.items()))})
+
+
+def _safetensors_dtype(dtype: torch.dtype) -> str:
+    names = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    if dtype not in names:
+        raise FormatError(f"lm_head dtype {dtype} is not a floating-point type mergekit-darts can bake")
+    return names[dtype]
+
+
+def copy_plain_files(out_dir: str, dest: str) -> List[str]:
+    """Tokenizer files, generation config, mergekit_config.yml ...: every plain file that is not a weight,
+    remote code, the darts report or a file the bake rewrites."""
+    copied = []
+    for name in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, name)
+        if (name in NOT_COPIED or name.endswith(".safetensors") or name.startswith(".")
+                or not os.path.isfile(path)):
+            continue
+        shutil.copyfile(path, os.path.join(dest, name))
+        copied.append(name)
+    return copied
+
+
+def staged_directory(dest: str, write) -> None:
+    """Run ``write(stage)`` in a staging directory beside ``dest``, then rename it to ``dest`` (atomic)."""
+    dest = os.path.abspath(dest)
+    if os.path.exists(dest):
+        raise FoldError(f"DEST: {dest} already exists; choose a new directory (nothing was overwritten)")
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=layout.STAGING_PREFIX, dir=parent)
+    try:
+        write(stage)
+        os.replace(stage, dest)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- bake
+
+def held_out_kl_note(out_dir: str, domain: str) -> Optional[dict]:
+    """The domain's held-out KL entry of darts_report.json (measured when the surgery was trained)."""
+    path = os.path.join(out_dir, layout.REPORT)
+    if not os.path.isfile(path):
+        return None
+    return (layout.read_json(path).get("domains", {}).get(domain) or {}).get("held_out_kl")
+
+
+def bake(out_dir: str, domain: str, dest: str, drop_position_bias: bool = False) -> dict:
+    """Write ``dest``: the merge of ``out_dir`` with ``domain``'s correction folded into its LM head.
+    Returns a summary (domain, head source, whether the position table was dropped, held-out KL)."""
+    fold = load_domain_fold(out_dir, domain, drop_position_bias)
+    if os.path.exists(dest):
+        raise FoldError(f"DEST: {os.path.abspath(dest)} already exists; choose a new directory (nothing was overwritten)")
+    config = layout.read_config(out_dir)
+    source = merged_head_source(out_dir, config)
+    head = read_merged_tensor(out_dir, source)
+    new_head = folded_head(head, fold)
+    del head
+    meta = layout.read_darts_entry(out_dir)
+    kl = held_out_kl_note(out_dir, domain)
+    summary = {"domain": domain, "head_source": source, "dropped_position_bias": fold.dropped_position_bias,
+               "rank": fold.shape.rank, "head_rank": fold.shape.head_rank, "held_out_kl": kl,
+               "expert": (meta.get("domains") or {}).get(domain)}
+
+    def write(stage):
+        write_weights(out_dir, stage, {HEAD_KEY: new_head})
+        plain = layout.plain_config(config)
+        plain["tie_word_embeddings"] = False  # the folded head is domain-specific; the input embeddings are not
+        layout.write_json(os.path.join(stage, "config.json"), plain)
+        copy_plain_files(out_dir, stage)
+        with open(os.path.join(stage, layout.CARD), "w", encoding="utf-8") as handle:
+            handle.write(card.updated_card(out_dir, card.baked_section(summary, meta)))
+
+    staged_directory(dest, write)
+    return summary
