@@ -49,7 +49,8 @@ def _eval_options(func, with_device: bool = True):
         click.option("--allow-code-execution", is_flag=True,
                      help="Required for humaneval_darts: runs model-written code in a resource-limited sandbox."),
         click.option("--batch-size", default="1", show_default=True, help="lm-eval batch size (or 'auto')."),
-        click.option("--max-gen-toks", type=int, default=None, help="Override the tasks' generation length."),
+        click.option("--max-gen-toks", type=int, default=None, help="New tokens per answer (default: the tasks' 512, or half the model's context when "
+                          "that is shorter; it must leave room for the prompt)."),
         click.option("--chat-template", is_flag=True, help="Apply the tokenizer's chat template (instruction models)."),
     ]
     if with_device:  # compare gets --device from the surgery options instead
