@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from mergekit_darts.evaluation.harness import EvaluationError, evaluate, generation_length
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = [os.path.join(REPO, "README.md"), os.path.join(REPO, "docs", "ux_readme_notes.md")]
-# The offline example's evaluation commands exactly as documented (docs/ux_readme_notes.md, then the
-# README): they must run as printed from the repository root on the tiny example's output.
+DOCS = [os.path.join(REPO, "README.md")]
+# The offline example's evaluation commands exactly as the README prints them: they must run as
+# printed from the repository root on the tiny example's output.
 DOCUMENTED_EVAL = [
     "mergekit-darts eval tiny_out --domain math --trust-remote-code --tasks gsm8k_darts "
     "--data examples/data/gsm8k_example.jsonl --compare-none --limit 2",
