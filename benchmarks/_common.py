@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Sequence
@@ -133,6 +134,16 @@ def add_output_options(parser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace benchmarks/results/<name>.json (the committed results) instead of "
                              "writing a new time-stamped file next to it")
+
+
+def run_json_child(cmd: Sequence[str], what: str, **env: str) -> Dict[str, object]:
+    """Run one measurement in a fresh interpreter (so its peak memory is its own) and return the JSON
+    object it prints on its last stdout line; ``env`` is added to the offline environment."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {what} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def log(message: str) -> None:

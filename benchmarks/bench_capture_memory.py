@@ -33,12 +33,11 @@ import json
 import os
 import random
 import resource
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import add_output_options, log, machine_info, median, print_table, write_json  # noqa: E402
+from _common import add_output_options, log, machine_info, median, print_table, run_json_child, write_json  # noqa: E402
 
 DOMAINS = ("math", "code", "chat")
 MODES = ("baseline", "load", "capture", "entropy")
@@ -192,11 +191,7 @@ def run_child(mode: str, family: dict, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--family", json.dumps(family),
            "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--samples", str(args.samples), "--max-positions", str(args.max_positions),
            "--batch-size", str(args.batch_size), "--threads", str(args.threads)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"child {mode} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_child(cmd, mode)
 
 
 def main(argv=None):

@@ -26,12 +26,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import log, machine_info, median, print_table, write_json  # noqa: E402
+from _common import log, machine_info, median, print_table, run_json_child, write_json  # noqa: E402
 
 MODES = ("none", "no_head", "head")
 
@@ -129,11 +128,7 @@ def run_child(mode: str, model_dir: str, dtype: str, args) -> dict:
            "--threads", str(args.threads)]
     # a fixed mmap threshold: every tensor over 64 KiB is its own mapping, returned to the OS when
     # freed, so the peak counts live tensors rather than what glibc's heap happened to keep
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"child {mode}/{dtype} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json_child(cmd, f"{mode}/{dtype}", MALLOC_MMAP_THRESHOLD_="65536")
 
 
 def main(argv=None):
