@@ -362,3 +362,38 @@ def route_rows(router: DomainRouter, final_hidden: torch.Tensor,
     [B] on ``final_hidden``'s device."""
     with torch.no_grad():
         return router(final_hidden, attention_mask).to(final_hidden.device)
+
+
+ROUTER_KEY = "router"  # reserved entry of the model's ``darts`` dict: its tensors are darts.router.*
+
+
+class DomainModules(nn.ModuleDict):
+    """The emitted model's ``darts`` child: one ``DomainSurgery`` per domain and, under the reserved key
+    ``"router"``, the ``DomainRouter`` (so its tensors load and save as ``darts.router.*``, float32 and
+    offloaded like the domains). Iteration, ``len``, ``in`` and keys/values/items see the domains only;
+    ``.router`` is the router or None. Module traversal (state_dict, ``.to``, accelerate) sees both."""
+
+    def _domain_keys(self):
+        return [key for key in self._modules if key != ROUTER_KEY]
+
+    def __iter__(self):
+        return iter(self._domain_keys())
+
+    def __len__(self):
+        return len(self._domain_keys())
+
+    def __contains__(self, key):
+        return key != ROUTER_KEY and key in self._modules
+
+    def keys(self):
+        return self._domain_keys()
+
+    def values(self):
+        return [self._modules[key] for key in self._domain_keys()]
+
+    def items(self):
+        return [(key, self._modules[key]) for key in self._domain_keys()]
+
+    @property
+    def router(self) -> Optional[DomainRouter]:
+        return self._modules.get(ROUTER_KEY)
