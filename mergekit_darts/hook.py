@@ -33,6 +33,7 @@ def wrap_run_merge(module) -> None:
     def run_merge(merge_config, out_path, options=None, config_source=None, *args, **kwargs):
         if disabled() or not config_source or "surgery" not in config_source:
             return original(merge_config, out_path, options, config_source, *args, **kwargs)
+        from mergekit_darts.console import user_logging
         from mergekit_darts.errors import DartsError, to_click_error
 
         try:
@@ -46,7 +47,8 @@ def wrap_run_merge(module) -> None:
             return original(config, path, opts, source, *args, **kwargs)
 
         try:
-            merge_and_repair(config_source, out_path, merge, options=options, merge_config=merge_config)
+            with user_logging():
+                merge_and_repair(config_source, out_path, merge, options=options, merge_config=merge_config)
         except DartsError as error:
             raise to_click_error(error) from None
 

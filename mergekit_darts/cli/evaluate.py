@@ -49,7 +49,8 @@ def _eval_options(func, with_device: bool = True):
         click.option("--allow-code-execution", is_flag=True,
                      help="Required for humaneval_darts: runs model-written code in a resource-limited sandbox."),
         click.option("--batch-size", default="1", show_default=True, help="lm-eval batch size (or 'auto')."),
-        click.option("--max-gen-toks", type=int, default=None, help="Override the tasks' generation length."),
+        click.option("--max-gen-toks", type=int, default=None, help="New tokens per answer (default: the tasks' 512, or half the model's context when "
+                          "that is shorter; it must leave room for the prompt)."),
         click.option("--chat-template", is_flag=True, help="Apply the tokenizer's chat template (instruction models)."),
     ]
     if with_device:  # compare gets --device from the surgery options instead
@@ -142,7 +143,7 @@ def _groups(value: str) -> Dict[str, Dict[str, str]]:
 def compare_command(config_file: str, out_path: str, seeds: int, first_seed: int, groups: str, demo: bool,
                     demo_seed: int, tasks: str, json_path: str, restore: bool, device, cuda, random_seed,
                     trust_remote_code, quiet, **kwargs):
-    """Surgery variants over several calibration seeds (the paper's Table 4: standard + L1 vs DARTS + EWL1).
+    """Surgery variants over several calibration seeds: standard + L1 vs DARTS + EWL1 by default.
 
     \b
     Trains both on MERGED_PATH once per seed (hidden states are cached, so reruns only train),

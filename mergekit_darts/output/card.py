@@ -31,7 +31,8 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         CARD_BEGIN,
         "## Representation surgery",
         "",
-        "This merge carries per-domain representation surgery modules (DARTS, added by "
+        "This merge carries per-domain representation surgery modules (DARTS, Decoder-Aware Representation "
+        "Tuning via Surgery, [arXiv 2608.28547](https://arxiv.org/abs/2608.28547); added by "
         "[mergekit-darts](https://pypi.org/project/mergekit-darts/)): each corrects the merged model's "
         "final hidden state towards its domain's expert before the LM head.",
         "",

@@ -3,6 +3,7 @@
 Used by the capture; the model's final norm and LM head are found without knowing the architecture.
 """
 
+import contextlib
 import gc
 import logging
 import os
@@ -44,6 +45,24 @@ def resolve_dtype(dtype, device) -> torch.dtype:
     if dtype not in names:
         raise SurgeryConfigError(f"dtype: unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")
     return names[dtype]
+
+
+@contextlib.contextmanager
+def quiet_transformers_loading():
+    """transformers at ERROR level around one of our own loads.
+
+    Our loads of a repaired directory without its remote code (the capture wants the plain merge)
+    make transformers print a LOAD REPORT listing every ``darts.*`` tensor as UNEXPECTED: expected
+    and harmless here, but alarming to read. Real errors still raise.
+    """
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
 
 
 @dataclass
@@ -136,11 +155,12 @@ class _ModelSlot:
             LOG.info("capture: loading %s (%s on %s)", self.model_dir, self.ctx.dtype,
                      self.ctx.device_map if placement.sharded else self.ctx.device)
             self.placement = placement
-            model = AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=self.ctx.dtype, use_safetensors=True,
-                trust_remote_code=self.ctx.trust_remote_code,
-                **placement.load_kwargs(self.model_dir, self.ctx.trust_remote_code),
-            )
+            with quiet_transformers_loading():
+                model = AutoModelForCausalLM.from_pretrained(
+                    self.model_dir, dtype=self.ctx.dtype, use_safetensors=True,
+                    trust_remote_code=self.ctx.trust_remote_code,
+                    **placement.load_kwargs(self.model_dir, self.ctx.trust_remote_code),
+                )
             if not placement.sharded and next(model.parameters()).device != self.ctx.device:
                 model = model.to(self.ctx.device)
             if placement.sharded:
