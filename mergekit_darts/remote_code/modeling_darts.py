@@ -1,19 +1,16 @@
 """Darts*ForCausalLM: a merged model plus per-domain representation surgery (docs/design.md §3, §5).
 
-This file is copied with ``surgery.py`` into every output directory and loaded there by transformers'
-remote-code loader, so it imports torch, transformers, stdlib ``contextvars``/``dataclasses``/``typing``
-and ``.surgery`` only, and touches no files.
+Copied with ``surgery.py`` into every output directory and loaded there by transformers' remote-code
+loader: it imports torch, transformers, stdlib ``contextvars``/``dataclasses``/``typing`` and
+``.surgery`` only, and touches no files.
 
-The corrected model is the plain ``<Arch>ForCausalLM`` with two forward hooks:
-
-* on the final norm: ``h -> s(h, position_ids)`` for each row's domain's ``DomainSurgery`` ``s``;
-* on the LM head (only when ``head_rank > 0``): ``logits += s.head_correction(h_hat)``.
-
-Hooks keep the parent's ``forward`` (labels/loss, ``logits_to_keep``, KV cache, generate) untouched;
-``forward`` is only wrapped to tell the hooks what the current call needs (``_DartsCall``). That state
-lives in a ``ContextVar``, never on the instance: concurrent threads each see their own call, and a
-replica (``nn.DataParallel``) passes its own modules. The hooks are plain functions, so copies of the
-hook tables (replicate, deepcopy) stay correct.
+The corrected model is the plain ``<Arch>ForCausalLM`` with two forward hooks: on the final norm
+``h -> s(h, position_ids)`` for each row's domain's ``DomainSurgery`` ``s``; on the LM head (only when
+``head_rank > 0``) ``logits += s.head_correction(h_hat)``. The parent's ``forward`` (labels/loss,
+``logits_to_keep``, KV cache, generate) is untouched; it is only wrapped to tell the hooks what the
+current call needs (``_DartsCall``). That state lives in a ``ContextVar``, never on the instance:
+concurrent threads each see their own call, and a replica (``nn.DataParallel``) passes its own
+modules. The hooks are plain functions, so copies of the hook tables (replicate, deepcopy) stay correct.
 """
 
 import contextvars
@@ -23,15 +20,8 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers import (
-    GemmaForCausalLM,
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    MixtralForCausalLM,
-    Phi3ForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
+                          Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
 from transformers.utils import logging
 
 from .surgery import DomainModules, DomainRouter, DomainSurgery, SurgeryShape, route_rows
@@ -59,15 +49,20 @@ def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) 
 
 @dataclass
 class _PendingRoute:
-    """Rows of a call still to route (``AUTO_INDEX``): the norm hook routes them from the final-norm
-    output of the current tokens before any correction, and records every row's routed domain."""
+    """Rows of a call still to route (``AUTO_INDEX``): the norm hook routes them from the prompt's
+    final-norm output before any correction (what the router was trained on)."""
 
     router: DomainRouter
-    rows: torch.Tensor  # CPU [B]: the call's domain indices, AUTO_INDEX where routing decides
-    mask: Optional[torch.Tensor]  # [B, T] real tokens of the current input (None: all)
+    rows: torch.Tensor  # CPU [B]: the call's domain indices, AUTO_INDEX where the router decides
+    mask: Optional[torch.Tensor]  # [B, T] real tokens of the prompt (None: all)
     to_domain: torch.Tensor  # router index -> index in darts_domains
     grouping: Callable  # rows -> groups (the model's _darts_groups)
-    routed: Optional[torch.Tensor] = None  # CPU [B], every row's routed domain index (-1 = none)
+    routed: Optional[torch.Tensor] = None  # CPU [B] once routed: every row's router pick (-1 = none)
+
+    def resolve(self, final_hidden: torch.Tensor):
+        routed = route_rows(self.router, final_hidden, self.mask).cpu()
+        self.routed = torch.where(routed >= 0, self.to_domain[routed.clamp_min(0)], routed)
+        return self.grouping(torch.where(self.rows == AUTO_INDEX, self.routed, self.rows))
 
 
 @dataclass
@@ -97,10 +92,7 @@ def _darts_norm_hook(module, args, output):
     if call is None or module is not call.norm:  # e.g. model.model(...) called directly: no correction
         return output
     if call.route is not None and call.route.routed is None:
-        pending = call.route
-        routed = route_rows(pending.router, output, pending.mask).cpu()
-        pending.routed = torch.where(routed >= 0, pending.to_domain[routed.clamp_min(0)], routed)
-        call.groups = pending.grouping(torch.where(pending.rows == AUTO_INDEX, pending.routed, pending.rows))
+        call.groups = call.route.resolve(output)
     if not call.groups:  # every row routed to "none"
         return output
     positions = call.position_ids.to(output.device).expand(output.shape[:-1])
@@ -193,11 +185,10 @@ class DartsMixin:
         meta = getattr(self.config, "darts", None) or {}
         domains = meta.get("domains") or {}
         shape = SurgeryShape.from_meta(meta) if domains else None
-        self.darts = DomainModules(
-            {name: DomainSurgery.from_shape(shape, self.config.hidden_size, self.config.vocab_size) for name in domains}
-        )
-        if meta.get("router") is not None:  # darts.router.*: picks each prompt's domain for "auto"
-            self.darts["router"] = DomainRouter.from_meta(meta["router"], self.config.hidden_size)
+        # darts.router.* (when exported): picks each prompt's domain for "auto"
+        router = DomainRouter.from_meta(meta["router"], self.config.hidden_size) if meta.get("router") else None
+        self.darts = DomainModules({name: DomainSurgery.from_shape(shape, self.config.hidden_size, self.config.vocab_size)
+                                    for name in domains}, router)
         self.model.norm.register_forward_hook(_darts_norm_hook)
         self.lm_head.register_forward_hook(_darts_head_hook)
         self.set_darts_domain(getattr(self.config, "darts_domain", None) or NONE_DOMAIN)
@@ -283,7 +274,8 @@ class DartsMixin:
 
         Accepts None (the model's default domain), one name (every row), a sequence of names (one
         per row) or such an index tensor (what ``generate`` carries between steps, expanded for
-        beams). ``AUTO_INDEX`` (-2) marks a row for the router ("auto")."""
+        beams). ``AUTO_INDEX`` (-2) marks a row for the router ("auto"): ``forward`` fills such rows of
+        a tensor in place with the routed indices at the prefill, so later steps keep that domain."""
         if darts_domain is None or isinstance(darts_domain, str):
             return torch.full((batch_size,), self._domain_index(self._darts_domain if darts_domain is None else darts_domain), dtype=torch.long)
         if isinstance(darts_domain, torch.Tensor):
@@ -323,21 +315,10 @@ class DartsMixin:
             return super().forward(**call)
         rows = self._darts_domain_rows(darts_domain, embeds.shape[0])
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        route, groups = None, ()
-        if bool((rows == AUTO_INDEX).any()):
-            # routed once per sequence, at its first call (the prefill): later calls reuse that choice,
-            # carried by generate's index tensor (filled in place below) or by the KV cache object
-            earlier = getattr(cache, _ROUTED_ATTR, None)
-            if earlier is not None and earlier.shape == rows.shape:
-                rows = torch.where(rows == AUTO_INDEX, earlier, rows)
-            else:
-                mask = attention_mask[:, -embeds.shape[1]:] if attention_mask is not None and attention_mask.dim() == 2 else None
-                to_domain = torch.tensor([self.darts_domains.index(name) for name in self.darts.router.domains])
-                route = _PendingRoute(self.darts.router, rows, mask, to_domain, self._darts_groups)
-        if route is None:
-            groups = self._darts_groups(rows)
-            if not groups:
-                return super().forward(**call)
+        rows, route = self._auto_rows(rows, cache, attention_mask, embeds.shape[1])
+        groups = () if route is not None else self._darts_groups(rows)
+        if route is None and not groups:
+            return super().forward(**call)
         if position_ids is None:
             # the position the surgery was trained on: the token's index within its sequence
             position_ids = default_position_ids(embeds.shape[1], attention_mask, cache, embeds.device)
@@ -348,11 +329,24 @@ class DartsMixin:
             _ACTIVE_CALL.reset(token)
         if route is not None and route.routed is not None:
             if isinstance(darts_domain, torch.Tensor):  # generate's per-row tensor: later steps reuse the routing
-                routed_rows = darts_domain == AUTO_INDEX
-                darts_domain[routed_rows] = route.routed.to(darts_domain.device, darts_domain.dtype)[routed_rows.cpu()]
-            if getattr(outputs, "past_key_values", None) is not None:
-                setattr(outputs.past_key_values, _ROUTED_ATTR, route.routed)
+                pending = darts_domain == AUTO_INDEX
+                darts_domain[pending] = route.routed.to(darts_domain.device, darts_domain.dtype)[pending.cpu()]
+            if getattr(outputs, "cache", None) is not None:  # a manual loop passes this cache back
+                setattr(outputs.cache, _ROUTED_ATTR, route.routed)
         return outputs
+
+    def _auto_rows(self, rows, cache, attention_mask, seq_len):
+        """(rows, route): "auto" rows are routed once per sequence, at its first call (the prefill);
+        a continuation (non-empty cache) takes the rows routed then. An empty cache is a new
+        sequence even if it carries an earlier routing (generate may reuse a static cache)."""
+        if not bool((rows == AUTO_INDEX).any()):
+            return rows, None
+        earlier = getattr(cache, _ROUTED_ATTR, None)
+        if earlier is not None and earlier.shape == rows.shape and cache.get_seq_length() > 0:
+            return torch.where(rows == AUTO_INDEX, earlier, rows), None
+        mask = attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        to_domain = torch.tensor([self.darts_domains.index(name) for name in self.darts.router.domains])
+        return rows, _PendingRoute(self.darts.router, rows, mask, to_domain, self._darts_groups)
 
     def generate(self, *args, darts_domain=None, **kwargs):
         # names become a per-row index tensor so generate expands it with the batch (beams,
@@ -381,8 +375,7 @@ class DartsMixin:
                             use_cache=False).last_hidden_state  # final-norm output; no call active: uncorrected
         router = self.darts.router
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-        names = [router.domains[i] if i >= 0 else NONE_DOMAIN for i in route_rows(router, hidden, mask).tolist()]
-        return names
+        return [router.domains[i] if i >= 0 else NONE_DOMAIN for i in route_rows(router, hidden, mask).tolist()]
 
     def set_output_embeddings(self, new_embeddings):
         # resize_token_embeddings swaps the LM head: the head correction must follow it
@@ -393,44 +386,14 @@ class DartsMixin:
 
 # Every architecture below keeps its final norm at ``self.model.norm`` and its LM head at ``self.lm_head``
 # and calls them as ``lm_head(slice(norm(h)))``, which is all the mixin relies on.
-class DartsLlamaForCausalLM(DartsMixin, LlamaForCausalLM):
-    pass
+class DartsLlamaForCausalLM(DartsMixin, LlamaForCausalLM): pass
+class DartsMistralForCausalLM(DartsMixin, MistralForCausalLM): pass
+class DartsMixtralForCausalLM(DartsMixin, MixtralForCausalLM): pass
+class DartsQwen2ForCausalLM(DartsMixin, Qwen2ForCausalLM): pass
+class DartsQwen3ForCausalLM(DartsMixin, Qwen3ForCausalLM): pass
+class DartsGemmaForCausalLM(DartsMixin, GemmaForCausalLM): pass
+class DartsPhi3ForCausalLM(DartsMixin, Phi3ForCausalLM): pass
 
 
-class DartsMistralForCausalLM(DartsMixin, MistralForCausalLM):
-    pass
-
-
-class DartsMixtralForCausalLM(DartsMixin, MixtralForCausalLM):
-    pass
-
-
-class DartsQwen2ForCausalLM(DartsMixin, Qwen2ForCausalLM):
-    pass
-
-
-class DartsQwen3ForCausalLM(DartsMixin, Qwen3ForCausalLM):
-    pass
-
-
-class DartsGemmaForCausalLM(DartsMixin, GemmaForCausalLM):
-    pass
-
-
-class DartsPhi3ForCausalLM(DartsMixin, Phi3ForCausalLM):
-    pass
-
-
-# plain architecture name (config.architectures[0] written by mergekit) -> Darts class
-DARTS_CLASSES = {
-    cls.__name__[len("Darts"):]: cls
-    for cls in (
-        DartsLlamaForCausalLM,
-        DartsMistralForCausalLM,
-        DartsMixtralForCausalLM,
-        DartsQwen2ForCausalLM,
-        DartsQwen3ForCausalLM,
-        DartsGemmaForCausalLM,
-        DartsPhi3ForCausalLM,
-    )
-}
+# plain architecture name (config.architectures[0] written by mergekit) -> Darts class: every class above
+DARTS_CLASSES = {cls.__name__[len("Darts"):]: cls for cls in DartsMixin.__subclasses__()}
