@@ -305,3 +305,17 @@ def test_pipeline_output_with_default_domain_auto_loads_and_routes(tiny_family, 
     assert picks == ["math"] * 3 + ["code"] * 3
     prompt_len = batch.input_ids.shape[1]
     assert torch.equal(generate(model, batch)[:, prompt_len:], generate(model, batch, darts_domain=picks)[:, prompt_len:])
+
+
+def test_router_under_accelerate_cpu_offload(auto):
+    """Every weight on meta, loaded by accelerate's hooks only inside a module's forward: routing goes
+    through the router's __call__, so it still sees its real tensors."""
+    import accelerate
+
+    model, batch = load(auto["path"], trust_remote_code=True), auto["batch"]
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    assert model.darts.router.centroids.device.type == "meta"
+    assert model.route_domains(batch.input_ids, batch.attention_mask) == auto["picks"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, auto["model"](**batch).logits, rtol=0, atol=1e-5)
+    assert torch.equal(generate(model, batch), generate(auto["model"], batch))

@@ -330,7 +330,7 @@ class DartsMixin:
         if route is not None and route.routed is not None:
             if isinstance(darts_domain, torch.Tensor):  # generate's per-row tensor: later steps reuse the routing
                 pending = darts_domain == AUTO_INDEX
-                darts_domain[pending] = route.routed.to(darts_domain.device, darts_domain.dtype)[pending.cpu()]
+                darts_domain[pending] = route.routed.to(darts_domain.device, darts_domain.dtype)[pending]
             if getattr(outputs, "cache", None) is not None:  # a manual loop passes this cache back
                 setattr(outputs.cache, _ROUTED_ATTR, route.routed)
         return outputs
