@@ -319,3 +319,20 @@ def test_router_under_accelerate_cpu_offload(auto):
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, auto["model"](**batch).logits, rtol=0, atol=1e-5)
     assert torch.equal(generate(model, batch), generate(auto["model"], batch))
+
+
+@torch.no_grad()
+def test_a_reset_cache_is_a_new_sequence_and_static_caches_route(auto):
+    """A cache object reused for another prompt after ``reset()`` still carries the old routing: its
+    prefill must route the new prompt. generate with a static cache routes like the dynamic one."""
+    model, tokenizer = auto["model"], auto["tokenizer"]
+    first = tokenizer([PROMPTS[0], PROMPTS[1]], return_tensors="pt", padding=True)
+    swapped = tokenizer([PROMPTS[1], PROMPTS[0]], return_tensors="pt", padding=True)
+    cache = model(**first, use_cache=True, darts_domain="auto").cache
+    assert cache._darts_routed_rows.tolist() == routed_indices(model, auto["picks"][:2])
+    cache.reset()
+    logits = model(**swapped, cache=cache, use_cache=True, darts_domain="auto").logits
+    assert cache._darts_routed_rows.tolist() == routed_indices(model, auto["picks"][1::-1])
+    torch.testing.assert_close(logits, model(**swapped, darts_domain=auto["picks"][1::-1]).logits, rtol=0, atol=1e-5)
+    static = generate(model, swapped, darts_domain="auto", cache_implementation="static")
+    assert torch.equal(static, generate(model, swapped, darts_domain=auto["picks"][1::-1]))
