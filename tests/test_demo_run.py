@@ -76,14 +76,20 @@ def test_demo_cli_help():
 
 
 def test_reduced_demo_end_to_end(tmp_path):
-    from mergekit_darts.demo.run import ABLATIONS, MAIN, DemoSizes, run_demo
+    from mergekit_darts.demo.run import ABLATIONS, MAIN, ROUTED, DemoSizes, run_demo
 
     sizes = DemoSizes(family=TINY, test=6, calib=20, surgery_steps=5, rank=4)
     workdir = str(tmp_path / "demo")
     result = run_demo(workdir, seed=0, sizes=sizes, progress=False, log=lambda *_: None)
     expected_rows = {"base", "expert_math", "expert_code", "expert_instruct", "merged", MAIN[0],
-                     *(key for key, _, _ in ABLATIONS)}
+                     *(key for key, _, _ in ABLATIONS), ROUTED[1]}
     assert set(result["rows"]) == expected_rows
+    keys = list(result["rows"])
+    assert keys[keys.index(ROUTED[0]) + 1] == ROUTED[1]  # the routed row sits under its oracle-domain row
+    routing = result["routing"]["test_prompts"]
+    assert set(routing) == set(tasks.DOMAINS)
+    for domain, shares in routing.items():
+        assert set(shares) == {*tasks.DOMAINS, "none"} and abs(sum(shares.values()) - 1.0) < 1e-9, shares
     for scores in result["rows"].values():
         assert set(scores) == {*tasks.DOMAINS, "average"}
         assert all(0.0 <= v <= 100.0 for v in scores.values())
@@ -94,6 +100,7 @@ def test_reduced_demo_end_to_end(tmp_path):
     with open(os.path.join(workdir, "results.md")) as f:
         table = f.read()
     assert "| DARTS + EWL1 |" in table and "| Merged (task arithmetic) |" in table
+    assert f"| {ROUTED[2]} |" in table and "routed to their own domain" in table
     assert "next-token KL gap" in table
     gaps = result["kl_gap_closed"][MAIN[0]]
     assert set(gaps) == set(tasks.DOMAINS) and all(g is None or g <= 1.0 for g in gaps.values())

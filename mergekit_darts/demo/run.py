@@ -112,6 +112,30 @@ def score_surgery(out: str, tokenizer, test, domains, progress: bool = False) ->
     return scores
 
 
+ROUTED = ("darts_kl", "darts_kl_auto", "DARTS + KL, routed automatically")  # (variant, row key, label)
+
+
+def score_routed(out: str, tokenizer, test, domains, progress: bool = False):
+    """The output with ``darts_domain="auto"``: every test prompt gets the domain the router picks from
+    it (none named), so the row shows what routing keeps of the oracle-domain row. Also returns the
+    share of each domain's test prompts routed to each domain or "none" ({} when there is no router)."""
+    model = _load(out, trust_remote_code=True)
+    if model.darts.router is None:
+        return None, {}
+    model.set_darts_domain("auto")
+    scores = score_model(model, tokenizer, test, domains, progress=progress, desc="scoring auto")
+    tokenizer.padding_side = "left"
+    shares = {}
+    for domain in domains:
+        prompts = [ex["prompt"] for ex in test[domain]]
+        picks = []
+        for start in range(0, len(prompts), 64):
+            batch = tokenizer(prompts[start:start + 64], return_tensors="pt", padding=True)
+            picks += model.route_domains(batch["input_ids"], batch["attention_mask"])
+        shares[domain] = {name: picks.count(name) / max(1, len(picks)) for name in [*domains, "none"]}
+    return scores, shares
+
+
 def run_demo(workdir: str = "./darts_demo", seed: int = 0, quick: bool = False,
              sizes: Optional[DemoSizes] = None, progress: bool = True,
              log: Callable[[str], None] = print) -> dict:
@@ -184,6 +208,7 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
     del merged
     tick("score experts+merged")
 
+    routing: Dict[str, Dict[str, float]] = {}
     for key, label, overrides in [MAIN, *ABLATIONS]:
         if key != MAIN[0]:
             log(f"surgery: {label}")
@@ -195,6 +220,11 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
         labels[key] = label
         log(f"scoring {label}")
         rows[key] = score_surgery(out, tokenizer, test, domains, progress=progress)
+        if key == ROUTED[0]:
+            log(f"scoring {ROUTED[2]}")
+            scores, routing = score_routed(out, tokenizer, test, domains, progress=progress)
+            if scores is not None:
+                rows[ROUTED[1]], labels[ROUTED[1]] = scores, ROUTED[2]
     tick("ablations+scoring")
     # one figure for every variant, so the KL one the README recommends is seen next to the paper's
     from mergekit_darts.repair.report import plot_bias, variant_label
@@ -215,6 +245,9 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
         # share of the held-out KL(expert || merged) gap each correction closes, per domain
         "kl_gap_closed": {k: {d: e["held_out_kl"]["gap_closed"] for d, e in r["domains"].items()}
                           for k, r in reports.items()},
+        # share of each domain's test prompts the DARTS + KL router sent to each domain ("none": fallback)
+        "routing": {"variant": ROUTED[0], "test_prompts": routing,
+                    "held_out_calibration": (reports[ROUTED[0]].get("router") or {}).get("accuracy")},
         "samples": samples, "timings_s": timings, "output_dir": out, "config": config_path,
         # every variant's report, so darts_bias.png can be redrawn: plot_bias(result["reports"], path)
         "reports": {variant_label(r): r for r in reports.values()},
@@ -240,6 +273,12 @@ def markdown_table(result: dict, domains: List[str]) -> str:
     for key, scores in result["rows"].items():
         cells = " | ".join(f"{scores[d]:.1f}" for d in domains)
         lines.append(f"| {result['labels'][key]} | {cells} | {scores['average']:.1f} |")
+    routing = (result.get("routing") or {}).get("test_prompts")
+    if routing:
+        own = ", ".join(f"{d} {100 * routing[d][d]:.1f}%" for d in domains)
+        fallback = ", ".join(f"{d} {100 * routing[d]['none']:.1f}%" for d in domains)
+        lines += ["", f"Routing ({ROUTED[2]}): test prompts routed to their own domain: {own}; "
+                      f"to \"none\" (the plain merge): {fallback}."]
     gaps = result.get("kl_gap_closed") or {}
     if gaps:
         lines += [

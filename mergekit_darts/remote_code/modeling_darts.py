@@ -1,45 +1,38 @@
 """Darts*ForCausalLM: a merged model plus per-domain representation surgery (docs/design.md §3, §5).
 
-This file is copied with ``surgery.py`` into every output directory and loaded there by transformers'
-remote-code loader, so it imports torch, transformers, stdlib ``contextvars``/``dataclasses``/``typing``
-and ``.surgery`` only, and touches no files.
+Copied with ``surgery.py`` into every output directory and loaded there by transformers' remote-code
+loader: it imports torch, transformers, stdlib ``contextvars``/``dataclasses``/``typing`` and
+``.surgery`` only, and touches no files.
 
-The corrected model is the plain ``<Arch>ForCausalLM`` with two forward hooks:
-
-* on the final norm: ``h -> s(h, position_ids)`` for each row's domain's ``DomainSurgery`` ``s``;
-* on the LM head (only when ``head_rank > 0``): ``logits += s.head_correction(h_hat)``.
-
-Hooks keep the parent's ``forward`` (labels/loss, ``logits_to_keep``, KV cache, generate) untouched;
-``forward`` is only wrapped to tell the hooks what the current call needs (``_DartsCall``). That state
-lives in a ``ContextVar``, never on the instance: concurrent threads each see their own call, and a
-replica (``nn.DataParallel``) passes its own modules. The hooks are plain functions, so copies of the
-hook tables (replicate, deepcopy) stay correct.
+The corrected model is the plain ``<Arch>ForCausalLM`` with two forward hooks: on the final norm
+``h -> s(h, position_ids)`` for each row's domain's ``DomainSurgery`` ``s``; on the LM head (only when
+``head_rank > 0``) ``logits += s.head_correction(h_hat)``. The parent's ``forward`` (labels/loss,
+``logits_to_keep``, KV cache, generate) is untouched; it is only wrapped to tell the hooks what the
+current call needs (``_DartsCall``). That state lives in a ``ContextVar``, never on the instance:
+concurrent threads each see their own call, and a replica (``nn.DataParallel``) passes its own
+modules. The hooks are plain functions, so copies of the hook tables (replicate, deepcopy) stay correct.
 """
 
 import contextvars
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers import (
-    GemmaForCausalLM,
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    MixtralForCausalLM,
-    Phi3ForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
+                          Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
 from transformers.utils import logging
 
-from .surgery import DomainSurgery, SurgeryShape
+from .surgery import DomainModules, DomainRouter, DomainSurgery, SurgeryShape, route_rows
 
 logger = logging.get_logger(__name__)
 
 NONE_DOMAIN = "none"
 NONE_INDEX = -1  # the per-row domain index of "none" (plain merged model); domains are 0..n-1
+AUTO_DOMAIN = "auto"  # each row's domain is picked by the router from its prompt (docs/routing.md)
+AUTO_INDEX = -2  # a row still to be routed: the prefill's norm hook replaces it with the routed index
+_ROUTED_ATTR = "_darts_routed_rows"  # on a KV cache object: its rows' routed domain indices (CPU [B])
 
 
 def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) -> torch.Tensor:
@@ -54,7 +47,25 @@ def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) 
     return torch.arange(past, past + seq_len, device=device).unsqueeze(0)
 
 
-@dataclass(frozen=True)
+@dataclass
+class _PendingRoute:
+    """Rows of a call still to route (``AUTO_INDEX``): the norm hook routes them from the prompt's
+    final-norm output before any correction (what the router was trained on)."""
+
+    router: DomainRouter
+    rows: torch.Tensor  # CPU [B]: the call's domain indices, AUTO_INDEX where the router decides
+    mask: Optional[torch.Tensor]  # [B, T] real tokens of the prompt (None: all)
+    to_domain: torch.Tensor  # router index -> index in darts_domains
+    grouping: Callable  # rows -> groups (the model's _darts_groups)
+    routed: Optional[torch.Tensor] = None  # CPU [B] once routed: every row's router pick (-1 = none)
+
+    def resolve(self, final_hidden: torch.Tensor):
+        routed = route_rows(self.router, final_hidden, self.mask).cpu()
+        self.routed = torch.where(routed >= 0, self.to_domain[routed.clamp_min(0)], routed)
+        return self.grouping(torch.where(self.rows == AUTO_INDEX, self.routed, self.rows))
+
+
+@dataclass
 class _DartsCall:
     """What the hooks need during one forward of one model object (original or replica)."""
 
@@ -62,6 +73,7 @@ class _DartsCall:
     head: nn.Module
     groups: Tuple[Tuple[DomainSurgery, Optional[torch.Tensor]], ...]  # (surgery, its batch rows or None = all)
     position_ids: torch.Tensor
+    route: Optional[_PendingRoute] = None  # set while rows wait for the router (groups then filled in)
 
 
 # Per thread (and per asyncio task): the forward in progress, if any.
@@ -78,6 +90,10 @@ def _device_for(layer: nn.Linear, fallback: torch.device) -> torch.device:
 def _darts_norm_hook(module, args, output):
     call = _ACTIVE_CALL.get()
     if call is None or module is not call.norm:  # e.g. model.model(...) called directly: no correction
+        return output
+    if call.route is not None and call.route.routed is None:
+        call.groups = call.route.resolve(output)
+    if not call.groups:  # every row routed to "none"
         return output
     positions = call.position_ids.to(output.device).expand(output.shape[:-1])
 
@@ -101,7 +117,7 @@ HEAD_CHUNK_TOKENS = 256
 
 def _darts_head_hook(module, args, output):
     call = _ACTIVE_CALL.get()
-    if call is None or module is not call.head or call.groups[0][0].head_rank == 0:
+    if call is None or module is not call.head or not call.groups or call.groups[0][0].head_rank == 0:
         return output
     if not output.is_contiguous():  # the in-place sums below work on a flat view
         output = output.contiguous()
@@ -169,9 +185,10 @@ class DartsMixin:
         meta = getattr(self.config, "darts", None) or {}
         domains = meta.get("domains") or {}
         shape = SurgeryShape.from_meta(meta) if domains else None
-        self.darts = nn.ModuleDict(
-            {name: DomainSurgery.from_shape(shape, self.config.hidden_size, self.config.vocab_size) for name in domains}
-        )
+        # darts.router.* (when exported): picks each prompt's domain for "auto"
+        router = DomainRouter.from_meta(meta["router"], self.config.hidden_size) if meta.get("router") else None
+        self.darts = DomainModules({name: DomainSurgery.from_shape(shape, self.config.hidden_size, self.config.vocab_size)
+                                    for name in domains}, router)
         self.model.norm.register_forward_hook(_darts_norm_hook)
         self.lm_head.register_forward_hook(_darts_head_hook)
         self.set_darts_domain(getattr(self.config, "darts_domain", None) or NONE_DOMAIN)
@@ -186,6 +203,13 @@ class DartsMixin:
         return (model, info) if wants_info else model
 
     def _warn_missing_darts(self, missing_keys) -> None:
+        if self.darts.router is not None and any(key.startswith("darts.router.") for key in missing_keys):
+            logger.warning("darts: the checkpoint has no darts.router.* tensors: the router is dropped and "
+                           "darts_domain='auto' is unavailable%s.", " (the default domain is now 'none')"
+                           if self._darts_domain == AUTO_DOMAIN else "")
+            del self.darts._modules["router"]
+            if self._darts_domain == AUTO_DOMAIN:
+                self.set_darts_domain(NONE_DOMAIN)
         missing = sorted({key.split(".")[1] for key in missing_keys if key.startswith("darts.")} & set(self.darts))
         if missing:
             logger.warning(
@@ -207,6 +231,11 @@ class DartsMixin:
             if module.head_down is not None:
                 init.kaiming_uniform_(module.head_down.weight, a=5**0.5)
                 init.zeros_(module.head_up.weight)
+        elif isinstance(module, DomainRouter):  # routes nothing (similarity can never reach 2); dropped on load
+            for param in (module.weight, module.bias, module.centroids):
+                init.zeros_(param)
+            init.constant_(module.similarity_mean, 2.0)
+            init.ones_(module.similarity_std)
         elif not any(module is child for surgery in self.darts.values() for child in surgery.children()):
             super()._init_weights(module)
 
@@ -220,14 +249,20 @@ class DartsMixin:
 
     def _domain_index(self, name) -> int:
         name = NONE_DOMAIN if name is None else name
+        if name == AUTO_DOMAIN:
+            if self.darts.router is None:
+                raise ValueError("darts_domain: 'auto' needs the domain router, but this model has none (no "
+                                 "config.darts.router / darts.router.* tensors); re-export with `router: true` "
+                                 f"or name a domain: {[*self.darts.keys(), NONE_DOMAIN]}")
+            return AUTO_INDEX
+        choices = [*self.darts.keys(), NONE_DOMAIN] + ([AUTO_DOMAIN] if self.darts.router is not None else [])
         if not isinstance(name, str) or (name != NONE_DOMAIN and name not in self.darts):
-            raise ValueError(
-                f"darts_domain: unknown domain {name!r}; choose one of {[*self.darts.keys(), NONE_DOMAIN]}"
-            )
+            raise ValueError(f"darts_domain: unknown domain {name!r}; choose one of {choices}")
         return NONE_INDEX if name == NONE_DOMAIN else self.darts_domains.index(name)
 
     def set_darts_domain(self, name: "str | None") -> None:
-        """Set the default domain: ``name``'s correction; "none" (or None) runs the plain merged model."""
+        """Set the default domain: ``name``'s correction; "none" (or None) runs the plain merged model;
+        "auto" lets the router pick each row's domain from its prompt."""
         name = NONE_DOMAIN if name is None else str(name)
         self._domain_index(name)
         self._darts_domain = name
@@ -239,15 +274,17 @@ class DartsMixin:
 
         Accepts None (the model's default domain), one name (every row), a sequence of names (one
         per row) or such an index tensor (what ``generate`` carries between steps, expanded for
-        beams). A future domain choice per row (e.g. a router at prefill) returns its indices here."""
+        beams). ``AUTO_INDEX`` (-2) marks a row for the router ("auto"): ``forward`` fills such rows of
+        a tensor in place with the routed indices at the prefill, so later steps keep that domain."""
         if darts_domain is None or isinstance(darts_domain, str):
             return torch.full((batch_size,), self._domain_index(self._darts_domain if darts_domain is None else darts_domain), dtype=torch.long)
         if isinstance(darts_domain, torch.Tensor):
             rows = darts_domain.detach().to("cpu")
             if rows.dtype not in (torch.int64, torch.int32) or rows.dim() != 1:
                 raise ValueError(f"darts_domain: an index tensor must be 1-D integer, got {rows.dtype} {tuple(rows.shape)}")
-            if rows.numel() and (rows.min() < NONE_INDEX or rows.max() >= len(self.darts)):
-                raise ValueError(f"darts_domain: domain indices must be in [-1, {len(self.darts) - 1}]")
+            lowest = NONE_INDEX if self.darts.router is None else AUTO_INDEX
+            if rows.numel() and (rows.min() < lowest or rows.max() >= len(self.darts)):
+                raise ValueError(f"darts_domain: domain indices must be in [{lowest}, {len(self.darts) - 1}]")
             rows = rows.long()
         elif isinstance(darts_domain, Sequence):
             rows = torch.tensor([self._domain_index(name) for name in darts_domain], dtype=torch.long)
@@ -276,27 +313,69 @@ class DartsMixin:
         embeds = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if embeds is None:  # let the parent raise its own error
             return super().forward(**call)
-        groups = self._darts_groups(self._darts_domain_rows(darts_domain, embeds.shape[0]))
-        if not groups:
+        rows = self._darts_domain_rows(darts_domain, embeds.shape[0])
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        rows, route = self._auto_rows(rows, cache, attention_mask, embeds.shape[1])
+        groups = () if route is not None else self._darts_groups(rows)
+        if route is None and not groups:
             return super().forward(**call)
         if position_ids is None:
             # the position the surgery was trained on: the token's index within its sequence
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
             position_ids = default_position_ids(embeds.shape[1], attention_mask, cache, embeds.device)
-        token = _ACTIVE_CALL.set(_DartsCall(self.model.norm, self.lm_head, groups, position_ids))
+        token = _ACTIVE_CALL.set(_DartsCall(self.model.norm, self.lm_head, groups, position_ids, route))
         try:
-            return super().forward(**call)
+            outputs = super().forward(**call)
         finally:
             _ACTIVE_CALL.reset(token)
+        if route is not None and route.routed is not None:
+            if isinstance(darts_domain, torch.Tensor):  # generate's per-row tensor: later steps reuse the routing
+                pending = darts_domain == AUTO_INDEX
+                darts_domain[pending] = route.routed.to(darts_domain.device, darts_domain.dtype)[pending]
+            if getattr(outputs, "cache", None) is not None:  # a manual loop passes this cache back
+                setattr(outputs.cache, _ROUTED_ATTR, route.routed)
+        return outputs
+
+    def _auto_rows(self, rows, cache, attention_mask, seq_len):
+        """(rows, route): "auto" rows are routed once per sequence, at its first call (the prefill);
+        a continuation (non-empty cache) takes the rows routed then. An empty cache is a new
+        sequence even if it carries an earlier routing (generate may reuse a static cache)."""
+        if not bool((rows == AUTO_INDEX).any()):
+            return rows, None
+        earlier = getattr(cache, _ROUTED_ATTR, None)
+        if earlier is not None and earlier.shape == rows.shape and cache.get_seq_length() > 0:
+            return torch.where(rows == AUTO_INDEX, earlier, rows), None
+        mask = attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        to_domain = torch.tensor([self.darts_domains.index(name) for name in self.darts.router.domains])
+        return rows, _PendingRoute(self.darts.router, rows, mask, to_domain, self._darts_groups)
 
     def generate(self, *args, darts_domain=None, **kwargs):
         # names become a per-row index tensor so generate expands it with the batch (beams,
-        # num_return_sequences) and hands it to every step's forward
-        if darts_domain is not None and not isinstance(darts_domain, (str, torch.Tensor)):
-            darts_domain = self._darts_domain_rows(darts_domain, len(darts_domain))
+        # num_return_sequences) and hands it to every step's forward; "auto" rows (-2) are filled in
+        # place with the routed domain at the prefill step, so the whole generation keeps that domain
+        wanted = self._darts_domain if darts_domain is None else darts_domain
+        if isinstance(wanted, torch.Tensor):
+            darts_domain = wanted.detach().to("cpu", torch.long, copy=True)  # never write into the caller's tensor
+        elif not isinstance(wanted, str):
+            darts_domain = self._darts_domain_rows(wanted, len(wanted))
+        elif wanted == AUTO_DOMAIN:
+            inputs = args[0] if args else next((kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds")
+                                                if kwargs.get(k) is not None), None)
+            darts_domain = self._darts_domain_rows(wanted, inputs.shape[0] if inputs is not None else 1)
         if darts_domain is not None:
             kwargs["darts_domain"] = darts_domain
         return super().generate(*args, **kwargs)
+
+    @torch.no_grad()
+    def route_domains(self, input_ids, attention_mask=None) -> "list[str]":
+        """The domain the router picks for each row of ``input_ids`` [B, T] ("none" below its
+        threshold), exactly as ``darts_domain="auto"`` would at prefill. Changes nothing."""
+        self._domain_index(AUTO_DOMAIN)  # a clear error when there is no router
+        positions = default_position_ids(input_ids.shape[1], attention_mask, None, input_ids.device)
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                            use_cache=False).last_hidden_state  # final-norm output; no call active: uncorrected
+        router = self.darts.router
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        return [router.domains[i] if i >= 0 else NONE_DOMAIN for i in route_rows(router, hidden, mask).tolist()]
 
     def set_output_embeddings(self, new_embeddings):
         # resize_token_embeddings swaps the LM head: the head correction must follow it
@@ -307,44 +386,14 @@ class DartsMixin:
 
 # Every architecture below keeps its final norm at ``self.model.norm`` and its LM head at ``self.lm_head``
 # and calls them as ``lm_head(slice(norm(h)))``, which is all the mixin relies on.
-class DartsLlamaForCausalLM(DartsMixin, LlamaForCausalLM):
-    pass
+class DartsLlamaForCausalLM(DartsMixin, LlamaForCausalLM): pass
+class DartsMistralForCausalLM(DartsMixin, MistralForCausalLM): pass
+class DartsMixtralForCausalLM(DartsMixin, MixtralForCausalLM): pass
+class DartsQwen2ForCausalLM(DartsMixin, Qwen2ForCausalLM): pass
+class DartsQwen3ForCausalLM(DartsMixin, Qwen3ForCausalLM): pass
+class DartsGemmaForCausalLM(DartsMixin, GemmaForCausalLM): pass
+class DartsPhi3ForCausalLM(DartsMixin, Phi3ForCausalLM): pass
 
 
-class DartsMistralForCausalLM(DartsMixin, MistralForCausalLM):
-    pass
-
-
-class DartsMixtralForCausalLM(DartsMixin, MixtralForCausalLM):
-    pass
-
-
-class DartsQwen2ForCausalLM(DartsMixin, Qwen2ForCausalLM):
-    pass
-
-
-class DartsQwen3ForCausalLM(DartsMixin, Qwen3ForCausalLM):
-    pass
-
-
-class DartsGemmaForCausalLM(DartsMixin, GemmaForCausalLM):
-    pass
-
-
-class DartsPhi3ForCausalLM(DartsMixin, Phi3ForCausalLM):
-    pass
-
-
-# plain architecture name (config.architectures[0] written by mergekit) -> Darts class
-DARTS_CLASSES = {
-    cls.__name__[len("Darts"):]: cls
-    for cls in (
-        DartsLlamaForCausalLM,
-        DartsMistralForCausalLM,
-        DartsMixtralForCausalLM,
-        DartsQwen2ForCausalLM,
-        DartsQwen3ForCausalLM,
-        DartsGemmaForCausalLM,
-        DartsPhi3ForCausalLM,
-    )
-}
+# plain architecture name (config.architectures[0] written by mergekit) -> Darts class: every class above
+DARTS_CLASSES = {cls.__name__[len("Darts"):]: cls for cls in DartsMixin.__subclasses__()}

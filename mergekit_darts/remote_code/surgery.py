@@ -292,8 +292,6 @@ class DomainRouter(nn.Module):
         self.similarity_mean = nn.Parameter(torch.zeros(count), requires_grad=False)
         self.similarity_std = nn.Parameter(torch.ones(count), requires_grad=False)
 
-    # -- description in config.json ---------------------------------------------------------------
-
     def to_meta(self) -> dict:
         return {"version": ROUTER_VERSION, "domains": list(self.domains), "threshold": self.threshold,
                 "pooling": self.pooling, "kind": self.kind}
@@ -314,8 +312,6 @@ class DomainRouter(nn.Module):
             raise ValueError(f"config.darts.router: missing {', '.join(missing)}")
         return cls(hidden_size, meta["domains"], threshold=meta["threshold"], kind=meta["kind"],
                    pooling=meta["pooling"])
-
-    # -- the math ---------------------------------------------------------------------------------
 
     def pool(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B, T, H] states, [B, T] mask (None: every token) -> [B, H] unit vectors, float32."""
@@ -362,3 +358,43 @@ def route_rows(router: DomainRouter, final_hidden: torch.Tensor,
     [B] on ``final_hidden``'s device."""
     with torch.no_grad():
         return router(final_hidden, attention_mask).to(final_hidden.device)
+
+
+ROUTER_KEY = "router"  # reserved entry of the model's ``darts`` dict: its tensors are darts.router.*
+
+
+class DomainModules(nn.ModuleDict):
+    """The emitted model's ``darts`` child: one ``DomainSurgery`` per domain and, under the reserved key
+    ``"router"``, the ``DomainRouter`` (its tensors load, save and offload as ``darts.router.*``, float32
+    like the domains). Iteration, ``len``, ``in`` and keys/values/items see the domains only; ``.router``
+    is the router or None. Module traversal (state_dict, ``.to``, accelerate) sees both."""
+
+    def __init__(self, domains, router: Optional[DomainRouter] = None):
+        super().__init__(domains)
+        if router is not None:  # not add_module: it refuses a name that is an attribute (the property)
+            self._modules[ROUTER_KEY] = router
+
+    def _domain_keys(self):
+        return [key for key in self._modules if key != ROUTER_KEY]
+
+    def __iter__(self):
+        return iter(self._domain_keys())
+
+    def __len__(self):
+        return len(self._domain_keys())
+
+    def __contains__(self, key):
+        return key != ROUTER_KEY and key in self._modules
+
+    def keys(self):
+        return self._domain_keys()
+
+    def values(self):
+        return [self._modules[key] for key in self._domain_keys()]
+
+    def items(self):
+        return [(key, self._modules[key]) for key in self._domain_keys()]
+
+    @property
+    def router(self) -> Optional[DomainRouter]:
+        return self._modules.get(ROUTER_KEY)
