@@ -20,6 +20,8 @@ METHODS = get_args(Method)
 LOSSES = get_args(Loss)
 CONTENTS = get_args(Content)
 DTYPES = get_args(Dtype)
+Preset = Literal["paper", "best"]
+PRESETS_NAMES = get_args(Preset)
 DOMAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -41,6 +43,15 @@ class CalibrationConfig(_Strict):
     template: Optional[str] = None
     chat_template: bool = False
     continue_tokens: int = Field(0, ge=0)
+    # quality options (docs/quality.md): sampled continuations of each prompt besides the greedy one
+    continue_samples: int = Field(0, ge=0)
+    continue_temperature: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _samples_need_tokens(self):
+        if self.continue_samples > 0 and self.continue_tokens == 0:
+            raise ValueError("continue_samples needs continue_tokens > 0 (the length of each sampled continuation)")
+        return self
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -79,6 +90,26 @@ class SurgeryConfig(_Strict):
     cache_dir: Optional[str] = None
     default_domain: Optional[str] = None
     domains: Dict[str, DomainConfig]
+    # quality options (docs/quality.md): presets, held-out selection, weight decay
+    preset: Optional[Preset] = None
+    weight_decay: float = Field(0.0, ge=0)
+    lr_candidates: Optional[List[float]] = None
+    early_stopping: bool = False
+    eval_every: int = Field(25, gt=0)
+    patience: int = Field(8, gt=0)
+    validation: float = Field(0.2, gt=0, lt=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        return expand_preset(data)
+
+    @field_validator("lr_candidates")
+    @classmethod
+    def _lr_candidates(cls, value: Optional[List[float]]) -> Optional[List[float]]:
+        if value is not None and (not value or any(lr <= 0 for lr in value)):
+            raise ValueError("give a non-empty list of positive learning rates")
+        return value
 
     @field_validator("device")
     @classmethod
@@ -113,6 +144,44 @@ class SurgeryConfig(_Strict):
     def active_domain(self) -> str:
         """The domain active when the output directory is loaded."""
         return self.default_domain if self.default_domain is not None else next(iter(self.domains))
+
+
+# What each preset sets; keys written in the YAML win. Calibration keys go to every domain's
+# calibration block. "paper" is the defaults, spelled out. "best": docs/quality.md (measured).
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "paper": {"method": "darts", "loss": "ewl1", "content": "relu", "head_rank": 0, "steps": 500, "lr": 1.0e-3},
+    "best": {"method": "darts", "loss": "kl", "content": "relu", "head_rank": 0, "steps": 500, "lr": 1.0e-3},
+}
+PRESET_CALIBRATION: Dict[str, Dict[str, Any]] = {"paper": {}, "best": {}}
+
+
+def expand_preset(data: Any) -> Any:
+    """The ``surgery:`` mapping with its preset's settings filled in where the YAML gives none."""
+    if not isinstance(data, dict) or data.get("preset") is None:
+        return data
+    preset = data["preset"]
+    if preset not in PRESETS:
+        return data  # the Literal check names the field and the choices
+    expanded = {**PRESETS[preset], **data}
+    calibration = PRESET_CALIBRATION[preset]
+    if calibration and isinstance(data.get("domains"), dict):
+        domains = {}
+        for name, domain in data["domains"].items():
+            if isinstance(domain, dict) and isinstance(domain.get("calibration"), dict):
+                domain = {**domain, "calibration": {**calibration, **domain["calibration"]}}
+            domains[name] = domain
+        expanded["domains"] = domains
+    return expanded
+
+
+def preset_settings(surgery: "SurgeryConfig") -> Optional[Dict[str, Any]]:
+    """The settings a preset controls, as this run resolved them (explicit keys included)."""
+    if surgery.preset is None:
+        return None
+    settings = {key: getattr(surgery, key) for key in PRESETS[surgery.preset]}
+    for key in PRESET_CALIBRATION[surgery.preset]:
+        settings[f"calibration.{key}"] = {n: getattr(d.calibration, key) for n, d in surgery.domains.items()}
+    return settings
 
 
 def _format_error(error: ValidationError, prefix: str) -> str:

@@ -11,13 +11,15 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import yaml
 
-from mergekit_darts.config import SurgeryConfig, SurgeryConfigError, parse_surgery_block, split_yaml
+from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
+                                   split_yaml)
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -127,6 +129,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     captured = capture_step(out_path, surgery, settings, texts)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
                            "domains": {}}
+    # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
+    report["surgery"]["preset_settings"] = preset_settings(surgery)
     for name, data in captured.domains.items():
         trained = train_domain(name, data, captured.merged_head, surgery, settings)
         modules[name] = trained.module
@@ -154,6 +158,9 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
             domain_texts = apply_chat_template(domain_texts, tokenizer, where=f"{where}.chat_template")
         specs.append(DomainCaptureSpec(name=name, expert=domain.model, texts=domain_texts,
                                        continue_tokens=domain.calibration.continue_tokens,
+                                       continue_samples=domain.calibration.continue_samples,
+                                       continue_temperature=domain.calibration.continue_temperature,
+                                       sample_seed=settings.seed,
                                        add_special_tokens=not domain.calibration.chat_template))
     return capture_domains(
         out_path, specs, surgery.max_positions, dtype=settings.dtype, device=settings.device,
@@ -176,45 +183,77 @@ def split_held_out(n: int, share: float, seed: int) -> Tuple[torch.Tensor, torch
     return order[held:].sort().values, order[:held].sort().values
 
 
+def split_rows(data, surgery: SurgeryConfig, seed: int) -> Dict[str, torch.Tensor]:
+    """Row indices {train, validation, held_out} of a captured domain, split by prompt.
+
+    Rows ``[0, prompts)`` are the prompts' greedy (or plain) rows; sampled continuations follow,
+    ``data.groups`` naming each row's prompt. The held-out split is the same prompts as without
+    samples, and is measured on their greedy rows only, so numbers stay comparable across settings.
+    Validation prompts (``surgery.validation`` of the training prompts) are kept only when something
+    is chosen with them (``lr_candidates`` / ``early_stopping``)."""
+    n_rows = data.merged_hidden.shape[0]
+    groups = getattr(data, "groups", None)
+    groups = torch.arange(n_rows) if groups is None else groups
+    prompts = int(groups.max()) + 1
+    train_prompts, held_prompts = split_held_out(prompts, surgery.held_out, seed)
+    validation_prompts = train_prompts[:0]
+    if surgery.early_stopping or (surgery.lr_candidates and len(surgery.lr_candidates) > 1):
+        fit_idx, val_idx = split_held_out(train_prompts.numel(), surgery.validation, seed + 1)
+        train_prompts, validation_prompts = train_prompts[fit_idx], train_prompts[val_idx]
+    in_train = torch.isin(groups, train_prompts)
+    in_validation = torch.isin(groups, validation_prompts) & (torch.arange(n_rows) < prompts)
+    return {"train": torch.nonzero(in_train).flatten(), "validation": torch.nonzero(in_validation).flatten(),
+            "held_out": held_prompts}
+
+
 def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryConfig,
                  settings: RunSettings) -> TrainedDomain:
     """Train one domain's module on its cached states and measure it on the held-out records."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
     from mergekit_darts.repair.capture import resolve_device
     from mergekit_darts.repair.report import bias_by_position
-    from mergekit_darts.repair.train import train_surgery
+    from mergekit_darts.repair.selection import fit
 
+    started = time.perf_counter()
     device = resolve_device(settings.device)
     kl = surgery.loss == "kl"
-    n = data.merged_hidden.shape[0]
-    train_idx, held_idx = split_held_out(n, surgery.held_out, settings.seed)
     tensors = {
         "merged": data.merged_hidden, "target": data.expert_hidden, "mask": data.attention_mask,
         "position_ids": data.position_ids, "entropy": data.expert_entropy,
     }
-    # promote the cached (often bfloat16) states once, not at every step
-    train = {k: v[train_idx].to(device) for k, v in tensors.items()}
-    train["merged"], train["target"] = train["merged"].float(), train["target"].float()
-    torch.manual_seed(settings.seed)
+    rows = split_rows(data, surgery, settings.seed)
+    train_idx, held_idx = rows["train"], rows["held_out"]
+
+    def on_device(index):
+        # promote the cached (often bfloat16) states once, not at every step
+        part = {k: v[index].to(device) for k, v in tensors.items()}
+        part["merged"], part["target"] = part["merged"].float(), part["target"].float()
+        return part
+
     shape = SurgeryShape(method=surgery.method, rank=surgery.rank, head_rank=surgery.head_rank,
                          max_positions=surgery.max_positions, content=surgery.content)
-    module = DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
-                                      vocab_size=merged_head.shape[0])
-    history = train_surgery(
-        module, train["merged"], train["target"], train["mask"], train["position_ids"],
-        entropy=train["entropy"], loss=surgery.loss, steps=surgery.steps, lr=surgery.lr,
-        batch_size=surgery.batch_size, seed=settings.seed,
+    fitted = fit(
+        lambda: DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
+                                         vocab_size=merged_head.shape[0]),
+        on_device(train_idx), on_device(rows["validation"]) if rows["validation"].numel() else None,
+        loss=surgery.loss, steps=surgery.steps, lrs=list(surgery.lr_candidates or [surgery.lr]),
+        early_stopping=surgery.early_stopping, eval_every=surgery.eval_every, patience=surgery.patience,
+        weight_decay=surgery.weight_decay, batch_size=surgery.batch_size, seed=settings.seed,
         expert_head=data.expert_head.to(device, torch.float32) if kl else None,
         merged_head=merged_head.to(device, torch.float32) if kl else None,
-        kl_chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
+        chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
     )
+    module, history = fitted.module, fitted.history
     module = module.cpu().eval()
     entry: Dict[str, Any] = {
         "expert": surgery.domains[name].model,
         "calibration": {"train": int(train_idx.numel()), "held_out": int(held_idx.numel()),
+                        "validation": int(rows["validation"].numel()),
                         "truncated": int(data.truncated), "skipped": int(data.skipped)},
         "final_loss": history[-1] if history else None,
         "parameters": count_parameters(module),
+        "selection": fitted.selection,
+        "train_seconds": round(time.perf_counter() - started, 3),
     }
     eval_idx = held_idx if held_idx.numel() else train_idx
     entry["bias_split"] = "held_out" if held_idx.numel() else "train"

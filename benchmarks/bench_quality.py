@@ -1,0 +1,124 @@
+"""Quality ablation on an existing demo run: held-out KL gap closed (and optionally task scores) per
+surgery variant, training on the demo's cached tensors (docs/quality.md).
+
+    python benchmarks/bench_quality.py DEMO_DIR --variants '{"kl": {"loss": "kl"}, ...}' [--score NAME ...]
+
+DEMO_DIR is a finished ``mergekit-darts demo`` work directory (demo.yml, merged/, capture_cache/,
+data/). Each variant is a dict of ``surgery:`` overrides applied to demo.yml. The capture is done
+once per distinct calibration setting (cached on disk); each variant then trains every domain and
+reports the held-out gap closed, the chosen lr/steps and the training seconds per domain. Variants
+named with --score are also exported to DEMO_DIR/merged and scored on the demo's test sets.
+Results are appended to benchmarks/results/quality_ablation.json under --tag.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import RESULTS_DIR, machine_info  # noqa: E402
+
+
+def _calibration_overrides(config_source: str, overrides: dict):
+    """Split per-domain calibration overrides (``calibration: {...}``) from surgery overrides."""
+    import yaml
+
+    overrides = dict(overrides)
+    calibration = overrides.pop("calibration", None)
+    if calibration:
+        data = yaml.safe_load(config_source)
+        domains = data["surgery"]["domains"]
+        for name in domains:
+            domains[name]["calibration"] = {**domains[name]["calibration"], **calibration}
+        config_source = yaml.safe_dump(data, sort_keys=False)
+    return config_source, overrides
+
+
+def run_variant(demo_dir: str, name: str, overrides: dict, score: bool, test=None) -> dict:
+    import torch
+
+    from mergekit_darts.pipeline import (capture_step, export_step, parse_config_source, train_domain)
+    from mergekit_darts.settings import RunSettings
+
+    with open(os.path.join(demo_dir, "demo.yml")) as handle:
+        config_source = handle.read()
+    config_source, overrides = _calibration_overrides(config_source, overrides)
+    _, surgery = parse_config_source(config_source, overrides)
+    settings = RunSettings.resolve(surgery, None, progress=False)
+    out = os.path.join(demo_dir, "merged")
+    captured = capture_step(out, surgery, settings)
+    result = {"overrides": overrides, "surgery": surgery.model_dump(exclude={"domains", "cache_dir"}),
+              "domains": {}}
+    modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
+                           "domains": {}}
+    for domain, data in captured.domains.items():
+        torch.manual_seed(settings.seed)
+        start = time.perf_counter()
+        trained = train_domain(domain, data, captured.merged_head, surgery, settings)
+        seconds = time.perf_counter() - start
+        modules[domain] = trained.module
+        report["domains"][domain] = trained.entry
+        entry = trained.entry
+        result["domains"][domain] = {
+            "gap_closed": entry["held_out_kl"]["gap_closed"], "kl_before": entry["held_out_kl"]["before"],
+            "kl_after": entry["held_out_kl"]["after"], "parameters": entry["parameters"],
+            "train_seconds": round(seconds, 2), "selection": entry.get("selection"),
+            "records": entry["calibration"],
+        }
+        print(f"{name:28s} {domain:9s} gap_closed {entry['held_out_kl']['gap_closed']:.3f} "
+              f"({seconds:.1f} s) {entry.get('selection') or ''}", flush=True)
+    if score:
+        from transformers import AutoTokenizer
+
+        from mergekit_darts.demo import tasks
+        from mergekit_darts.demo.run import score_surgery
+
+        export_step(out, surgery, modules, report)
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        scores = score_surgery(out, tokenizer, test, list(tasks.DOMAINS))
+        result["scores"] = scores
+        print(f"{name:28s} scores {scores}", flush=True)
+    return result
+
+
+def load_test(demo_dir: str) -> dict:
+    from mergekit_darts.demo import tasks
+
+    test = {}
+    for domain in tasks.DOMAINS:
+        with open(os.path.join(demo_dir, "data", f"{domain}_test.jsonl")) as handle:
+            test[domain] = [json.loads(line) for line in handle]
+    return test
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("demo_dir")
+    parser.add_argument("--variants", required=True, help="JSON {name: {surgery overrides}}")
+    parser.add_argument("--score", nargs="*", default=[], help="variant names to score on the test sets")
+    parser.add_argument("--tag", default="ablation")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # the demo's setting: tiny matmuls gain nothing from threads
+    variants = json.loads(args.variants)
+    test = load_test(args.demo_dir) if args.score else None
+    results = {name: run_variant(args.demo_dir, name, overrides, name in args.score, test)
+               for name, overrides in variants.items()}
+    path = os.path.join(RESULTS_DIR, "quality_ablation.json")
+    stored = {}
+    if os.path.exists(path):
+        with open(path) as handle:
+            stored = json.load(handle)
+    stored.setdefault("runs", {})[args.tag] = {"command": " ".join(sys.argv), "machine": machine_info(),
+                                               "variants": results}
+    with open(path, "w") as handle:
+        json.dump(stored, handle, indent=1)
+    print(f"wrote {path} [{args.tag}]")
+
+
+if __name__ == "__main__":
+    main()
