@@ -106,17 +106,18 @@ def main() -> None:
     torch.set_num_threads(1)  # the demo's setting: tiny matmuls gain nothing from threads
     variants = json.loads(args.variants)
     test = load_test(args.demo_dir) if args.score else None
-    results = {name: run_variant(args.demo_dir, name, overrides, name in args.score, test)
-               for name, overrides in variants.items()}
+    results = {}
     path = os.path.join(RESULTS_DIR, "quality_ablation.json")
-    stored = {}
-    if os.path.exists(path):
-        with open(path) as handle:
-            stored = json.load(handle)
-    stored.setdefault("runs", {})[args.tag] = {"command": " ".join(sys.argv), "machine": machine_info(),
-                                               "variants": results}
-    with open(path, "w") as handle:
-        json.dump(stored, handle, indent=1)
+    for name, overrides in variants.items():
+        results[name] = run_variant(args.demo_dir, name, overrides, name in args.score, test)
+        stored = {}
+        if os.path.exists(path):  # written after every variant: a long run keeps what it measured
+            with open(path) as handle:
+                stored = json.load(handle)
+        stored.setdefault("runs", {})[args.tag] = {"command": " ".join(sys.argv), "machine": machine_info(),
+                                                   "variants": results}
+        with open(path, "w") as handle:
+            json.dump(stored, handle, indent=1)
     print(f"wrote {path} [{args.tag}]")
 
 

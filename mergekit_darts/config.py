@@ -98,6 +98,7 @@ class SurgeryConfig(_Strict):
     eval_every: int = Field(25, gt=0)
     patience: int = Field(8, gt=0)
     validation: float = Field(0.2, gt=0, lt=1)
+    refit: bool = True
 
     @model_validator(mode="before")
     @classmethod

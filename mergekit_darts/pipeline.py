@@ -202,8 +202,9 @@ def split_rows(data, surgery: SurgeryConfig, seed: int) -> Dict[str, torch.Tenso
         train_prompts, validation_prompts = train_prompts[fit_idx], train_prompts[val_idx]
     in_train = torch.isin(groups, train_prompts)
     in_validation = torch.isin(groups, validation_prompts) & (torch.arange(n_rows) < prompts)
+    in_refit = in_train | torch.isin(groups, validation_prompts)
     return {"train": torch.nonzero(in_train).flatten(), "validation": torch.nonzero(in_validation).flatten(),
-            "held_out": held_prompts}
+            "held_out": held_prompts, "refit": torch.nonzero(in_refit).flatten()}
 
 
 def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryConfig,
@@ -242,6 +243,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         expert_head=data.expert_head.to(device, torch.float32) if kl else None,
         merged_head=merged_head.to(device, torch.float32) if kl else None,
         chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
+        refit=on_device(rows["refit"]) if surgery.refit and rows["validation"].numel() else None,
     )
     module, history = fitted.module, fitted.history
     module = module.cpu().eval()

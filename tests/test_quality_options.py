@@ -69,6 +69,19 @@ def test_early_stopping_keeps_the_identity_when_training_only_hurts():
     assert torch.count_nonzero(stopped.module.up.weight) == 0  # the untrained module: exact identity
 
 
+def test_refit_retrains_the_chosen_setting_on_training_and_validation_records():
+    train, validation = states(1.0), states(0.4, seed=1)
+    both = {k: torch.cat([train[k], validation[k]]) for k in train}
+    chosen = run_fit(train, validation, early_stopping=True)
+    refitted = run_fit(train, validation, early_stopping=True, refit=both)
+    assert refitted.selection["steps"] == chosen.selection["steps"] and refitted.selection["refit_records"] == 2 * N
+    assert len(refitted.history) == chosen.selection["steps"]
+    # the same steps and lr on the union, from the same start: what a plain run on it gives
+    plain = run_fit(both, None, steps=chosen.selection["steps"])
+    for mine, theirs in zip(refitted.module.parameters(), plain.module.parameters()):
+        torch.testing.assert_close(mine, theirs)
+
+
 def test_lr_candidates_pick_the_lowest_validation_loss():
     train, validation = states(0.5), states(0.5, seed=1)
     fitted = run_fit(train, validation, lrs=[1e-5, 3e-2, 5.0], steps=40)
@@ -132,6 +145,7 @@ def test_split_rows_keeps_prompts_together():
     assert not held & train_prompts and not set(validation) & train_prompts and not held & set(validation)
     assert len(validation) == 2 and all(i < 10 for i in validation)
     assert len(split["train"]) == 3 * 6  # every row (greedy + samples) of the 6 training prompts
+    assert len(split["refit"]) == 3 * 8 and not {int(data.groups[i]) for i in split["refit"]} & held
 
 
 BLOCK = {"domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}}

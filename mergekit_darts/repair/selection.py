@@ -79,10 +79,13 @@ class EarlyStopping:
 def fit(make_module: Callable[[], Any], train: Dict[str, torch.Tensor],
         validation: Optional[Dict[str, torch.Tensor]], *, loss: str, steps: int, lrs: Sequence[float],
         early_stopping: bool, eval_every: int, patience: int, weight_decay: float, batch_size, seed: int,
-        expert_head, merged_head, chunk_size: int, progress: bool, desc: str) -> FitResult:
+        expert_head, merged_head, chunk_size: int, progress: bool, desc: str,
+        refit: Optional[Dict[str, torch.Tensor]] = None) -> FitResult:
     """Train one module per lr in ``lrs`` (each from the same seeded initialisation) and keep the one
     with the lowest validation loss; with ``early_stopping`` each run keeps its best validation step.
-    Without validation data there is nothing to choose with: one run at ``lrs[0]``, all steps."""
+    Without validation data there is nothing to choose with: one run at ``lrs[0]``, all steps.
+    ``refit``: the training and validation records together; when given, the chosen lr and step
+    count are retrained on them from the same initialisation, so selection costs no training data."""
     if validation is None and (len(lrs) > 1 or early_stopping):
         raise ValueError("lr_candidates / early_stopping need validation records (validation > 0 and "
                          "at least two training prompts)")
@@ -120,4 +123,14 @@ def fit(make_module: Callable[[], Any], train: Dict[str, torch.Tensor],
     if validation is not None:
         selection["validation_loss"] = record["validation_loss"]
         selection["candidates"] = [r for r, _, _ in runs]
+    if validation is not None and refit is not None:
+        torch.manual_seed(seed)
+        module = make_module()
+        history = train_surgery(
+            module, refit["merged"], refit["target"], refit["mask"], refit["position_ids"],
+            entropy=refit["entropy"], loss=loss, steps=selection["steps"], lr=selection["lr"],
+            batch_size=batch_size, seed=seed, expert_head=expert_head, merged_head=merged_head,
+            kl_chunk_size=chunk_size, progress=progress, desc=f"{desc} refit", weight_decay=weight_decay,
+        )
+        selection["refit_records"] = int(refit["merged"].shape[0])
     return FitResult(module=module.eval(), history=history, selection=selection)
