@@ -104,14 +104,35 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def write_json(name: str, data: Dict[str, object], path: str = None) -> str:
-    path = path or os.path.join(RESULTS_DIR, f"{name}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def write_json(name: str, data: Dict[str, object], path: str = None, overwrite: bool = False) -> str:
+    """Write ``data`` as JSON and return the path.
+
+    ``path`` given (``--out``): written there, replacing what is there (it was asked for). Otherwise
+    ``results/<name>.json``, unless that file exists (the committed results the README quotes) and
+    ``overwrite`` (``--overwrite``) is not set: then a new ``results/<name>-<date>T<time>.json``, so
+    that running a benchmark never silently replaces the published numbers.
+    """
+    if path is None:
+        path = os.path.join(RESULTS_DIR, f"{name}.json")
+        if os.path.exists(path) and not overwrite:
+            stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+            path = os.path.join(RESULTS_DIR, f"{name}-{stamp}.json")
+            print(f"\nresults/{name}.json exists (committed results); writing a new file instead "
+                  "(--overwrite replaces it, --out PATH chooses the file)")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2)
         handle.write("\n")
     print(f"\nwrote {path}")
     return path
+
+
+def add_output_options(parser) -> None:
+    """``--out PATH`` and ``--overwrite`` for every benchmark script (see ``write_json``)."""
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<name>.json, or a new time-stamped file there if that exists)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace benchmarks/results/<name>.json (the committed results) instead of "
+                             "writing a new time-stamped file next to it")
 
 
 def log(message: str) -> None:

@@ -38,7 +38,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import log, machine_info, median, print_table, write_json  # noqa: E402
+from _common import add_output_options, log, machine_info, median, print_table, write_json  # noqa: E402
 
 DOMAINS = ("math", "code", "chat")
 MODES = ("baseline", "load", "capture", "entropy")
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="fresh subprocesses per mode")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", default=None, help="where to build the models (default: a temp dir)")
-    p.add_argument("--out", default=None)
+    add_output_options(p)
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--family", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -251,7 +251,7 @@ def main(argv=None):
         "machine": machine_info(), "weight_bytes": w, "cached_bytes": cached, "peak_rss_bytes": peak,
         "entropy_transient_bytes": entropy_transient,
         "ratios": ratios, "runs": runs,
-    }, args.out)
+    }, args.out, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import time
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import log, machine_info, median, paired_ratio, print_table, write_json  # noqa: E402
+from _common import add_output_options, log, machine_info, median, paired_ratio, print_table, write_json  # noqa: E402
 
 DEMO_DOMAINS = ("math", "code", "instruct")
 PHASES = ("merge", "capture", "train", "export")
@@ -60,7 +60,7 @@ def parse_args(argv=None):
                    help="torch CPU threads, here and (OMP_NUM_THREADS) in the mergekit-yaml subprocesses; "
                         "default: torch's own choice, i.e. what a user gets")
     p.add_argument("--skip-cli", action="store_true", help="only the in-process phase split")
-    p.add_argument("--out", default=None)
+    add_output_options(p)
     return p.parse_args(argv)
 
 
@@ -254,7 +254,7 @@ def main(argv=None):
     write_json("bench_end_to_end", {
         "benchmark": "end_to_end", "settings": vars(args), "machine": machine_info(), "model": model_desc, "torch_threads": threads,
         "family_build_s": family_s, "phases": phases, "cli": cli,
-    }, args.out)
+    }, args.out, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

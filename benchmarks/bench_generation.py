@@ -27,7 +27,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import interleaved, log, machine_info, median, paired_ratio, print_table, write_json  # noqa: E402
+from _common import add_output_options, interleaved, log, machine_info, median, paired_ratio, print_table, write_json  # noqa: E402
 
 # Llama-2-7B: hidden 4096, vocab 32000, 6,738,415,616 parameters (paper setting; for the share column)
 LLAMA2_7B = {"hidden": 4096, "params": 6_738_415_616}
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-plain", action="store_true", help="skip the plain LlamaForCausalLM variant")
     p.add_argument("--workdir", default=None, help="where to build the model (default: a temp dir)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_generation.json)")
+    add_output_options(p)
     return p.parse_args(argv)
 
 
@@ -206,7 +206,7 @@ def main(argv=None):
     write_json("bench_generation", {
         "benchmark": "generation", "target": "tokens/s(darts) / tokens/s(none) >= 0.98",
         "settings": vars(args), "machine": machine_info(), "parameters": shares, "results": results,
-    }, args.out)
+    }, args.out, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import interleaved, log, machine_info, median, paired_ratio, print_table, timed, write_json  # noqa: E402
+from _common import add_output_options, interleaved, log, machine_info, median, paired_ratio, print_table, timed, write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -64,7 +64,7 @@ def parse_args(argv=None):
                    help="only: small-shape ewl1 steps with 1 vs all CPU threads, interleaved (oversubscription check)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                    help="clock of the speed-up ratio (part 2 runs on CPU; cpu time is steadier on a shared machine)")
-    p.add_argument("--out", default=None)
+    add_output_options(p)
     return p.parse_args(argv)
 
 
@@ -212,7 +212,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads_check:
         write_json("bench_training_threads", {"benchmark": "training_threads", "machine": machine_info(),
-                                              "result": threads_check(args)}, args.out)
+                                              "result": threads_check(args)}, args.out, overwrite=args.overwrite)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -244,7 +244,7 @@ def main(argv=None):
     write_json("bench_training", {
         "benchmark": "training", "settings": vars(args), "machine": machine_info(),
         "steps": steps, "speedup": speedup,
-    }, args.out)
+    }, args.out, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ Defaults are the paper's. Unknown keys are errors, and every error names its pat
 """
 
 import re
-from typing import Any, Dict, List, Literal, Optional, get_args
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mergekit_darts.errors import SurgeryConfigError  # noqa: F401  (re-exported: the schema's error)
 
@@ -23,10 +23,53 @@ DTYPES = get_args(Dtype)
 Preset = Literal["paper", "best"]
 PRESETS_NAMES = get_args(Preset)
 DOMAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# "none" = plain merge, "auto" = routed, "router" = the router's tensors (darts.router.*)
+RESERVED_NAMES = ("none", "auto", "router")
+DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential"]
+KLTarget = Literal["exact", "topk", "bf16"]
+KLPrecision = Literal["float32", "mixed"]
+_MAP_DEVICE = re.compile(r"^(cpu|disk|mps|cuda:\d+)$")
+_MEMORY_KEY = re.compile(r"^(cpu|disk|mps|cuda:\d+|\d+)$")
+_MEMORY_SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMGT]i?B|B)$", re.IGNORECASE)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _yaml_float(value: Any) -> Any:
+    """Floats as YAML writes them: PyYAML reads ``1e-3`` (no dot) as a string, so a string that is a
+    number is accepted; a boolean (``lr: true`` would otherwise become 1.0) is not."""
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"expected a number, got {value!r}") from None
+    return value
+
+
+# Strict ints: YAML's `rank: true` or `seed: 1e25` (a float) must be errors, not 1 / 10**25.
+StrictInt = Annotated[int, Field(strict=True)]
+YamlFloat = Annotated[float, BeforeValidator(_yaml_float), Field(strict=True)]
+
+# Upper bounds (docs/reliability.md): far above any real use, low enough that a typo (1e9) is an
+# error instead of a multi-GB allocation. The pre-merge checks also bound rank by the hidden size.
+MAX_RANK = 65536  # no released model has a hidden size above this
+MAX_POSITIONS = 131072  # 128k: the longest context window of common open models
+MAX_STEPS = 10_000_000
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range
+MAX_BATCH = 1 << 20
+
+
+def _module_attribute_names() -> frozenset:
+    """Names a domain cannot have: the emitted model keeps domains in an ``nn.ModuleDict``, which
+    refuses keys that are attributes (``keys``, ``forward``, ``training``, ...). Taken from the
+    installed torch, so a newer torch's attributes are covered too."""
+    import torch.nn
+
+    return frozenset(dir(torch.nn.ModuleDict()))
 
 
 class CalibrationConfig(_Strict):
@@ -39,13 +82,13 @@ class CalibrationConfig(_Strict):
     split: str = "train"
     field: str = "text"
     separator: Literal["line", "blank"] = "line"
-    samples: int = Field(50, gt=0)
+    samples: StrictInt = Field(50, gt=0, le=100_000_000)
     template: Optional[str] = None
-    chat_template: bool = False
-    continue_tokens: int = Field(0, ge=0)
+    chat_template: bool = Field(False, strict=True)
+    continue_tokens: StrictInt = Field(0, ge=0, le=MAX_POSITIONS)
     # quality options (docs/quality.md): sampled continuations of each prompt besides the greedy one
-    continue_samples: int = Field(0, ge=0)
-    continue_temperature: float = Field(1.0, gt=0)
+    continue_samples: StrictInt = Field(0, ge=0, le=1024)
+    continue_temperature: YamlFloat = Field(1.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _samples_need_tokens(self):
@@ -75,30 +118,74 @@ class SurgeryConfig(_Strict):
     method: Method = "darts"
     loss: Loss = "ewl1"
     content: Content = "relu"
-    rank: int = Field(16, gt=0)
-    head_rank: int = Field(0, ge=0)
-    max_positions: int = Field(512, gt=0)
-    steps: int = Field(500, ge=0)
-    lr: float = Field(1.0e-3, gt=0)
-    batch_size: Optional[int] = Field(None, gt=0)
-    seed: Optional[int] = None
+    rank: StrictInt = Field(16, gt=0, le=MAX_RANK)
+    head_rank: StrictInt = Field(0, ge=0, le=MAX_RANK)
+    max_positions: StrictInt = Field(512, gt=0, le=MAX_POSITIONS)
+    steps: StrictInt = Field(500, ge=0, le=MAX_STEPS)
+    lr: YamlFloat = Field(1.0e-3, gt=0, allow_inf_nan=False)
+    batch_size: Optional[StrictInt] = Field(None, gt=0, le=MAX_BATCH)
+    seed: Optional[StrictInt] = Field(None, ge=0, le=MAX_SEED)
     device: str = "auto"
     dtype: Dtype = "auto"
-    held_out: float = Field(0.2, ge=0, lt=1)
-    capture_batch_size: int = Field(8, gt=0)
-    kl_chunk_size: int = Field(1024, gt=0)
+    held_out: YamlFloat = Field(0.2, ge=0, lt=1)
+    capture_batch_size: StrictInt = Field(8, gt=0, le=MAX_BATCH)
+    kl_chunk_size: StrictInt = Field(1024, gt=0, le=1 << 24)
     cache_dir: Optional[str] = None
     default_domain: Optional[str] = None
     domains: Dict[str, DomainConfig]
+    # automatic domain routing (docs/routing.md)
+    router: Optional[bool] = Field(None, strict=True)  # None: true when there are >= 2 domains
+    router_threshold: YamlFloat = Field(0.02, ge=0, le=1)  # chosen by measurement: docs/routing.md
+    router_eval: Optional[CalibrationConfig] = None  # out-of-domain prompts to measure the fallback on
+    # A domain whose held-out metric got worse than the plain merge (or is not finite) is never made
+    # the default silently: the model then loads as "none". True keeps default_domain regardless.
+    allow_worse_default: bool = Field(False, strict=True)
+    # scale (docs/scale.md): capture across devices (accelerate) and KL at the paper's scale.
+    # The defaults keep the single-device capture and the exact float32 full-batch KL.
+    device_map: Optional[Union[DeviceMapStrategy, Dict[str, Union[int, str]]]] = None
+    max_memory: Optional[Dict[Union[int, str], Union[int, str]]] = None
+    kl_target: KLTarget = "exact"
+    kl_top_k: StrictInt = Field(256, gt=0, le=1 << 24)
+    kl_precision: KLPrecision = "float32"
+    kl_positions_per_step: Optional[StrictInt] = Field(None, gt=0, le=1 << 30)
     # quality options (docs/quality.md): presets, held-out selection, weight decay
     preset: Optional[Preset] = None
-    weight_decay: float = Field(0.0, ge=0)
-    lr_candidates: Optional[List[float]] = None
-    early_stopping: bool = False
-    eval_every: int = Field(25, gt=0)
-    patience: int = Field(8, gt=0)
-    validation: float = Field(0.2, gt=0, lt=1)
-    refit: bool = True
+    weight_decay: YamlFloat = Field(0.0, ge=0, allow_inf_nan=False)
+    lr_candidates: Optional[List[YamlFloat]] = None
+    early_stopping: bool = Field(False, strict=True)
+    eval_every: StrictInt = Field(25, gt=0, le=MAX_STEPS)
+    patience: StrictInt = Field(8, gt=0, le=MAX_STEPS)
+    validation: YamlFloat = Field(0.2, gt=0, lt=1)
+    refit: bool = Field(True, strict=True)
+
+    @field_validator("device_map")
+    @classmethod
+    def _device_map(cls, value):
+        if isinstance(value, dict):
+            if not value:
+                raise ValueError("an explicit map needs at least one entry (module name -> device)")
+            for module, device in value.items():
+                if not (isinstance(device, int) and device >= 0) and not (
+                        isinstance(device, str) and _MAP_DEVICE.match(device)):
+                    raise ValueError(f"module {module!r}: unknown device {device!r}; use a GPU index, "
+                                     "cuda:N, cpu, mps or disk")
+        return value
+
+    @field_validator("max_memory")
+    @classmethod
+    def _max_memory(cls, value):
+        for device, size in (value or {}).items():
+            if not _MEMORY_KEY.match(str(device)):
+                raise ValueError(f"unknown device {device!r}; use a GPU index (0, 1, ...), cpu, mps or disk")
+            if not ((isinstance(size, int) and size > 0) or (isinstance(size, str) and _MEMORY_SIZE.match(size.strip()))):
+                raise ValueError(f"{device}: size {size!r} must be a byte count or like '20GiB' / '500MB'")
+        return value
+
+    @model_validator(mode="after")
+    def _max_memory_needs_map(self):
+        if self.max_memory is not None and self.device_map is None:
+            raise ValueError("max_memory needs device_map (e.g. device_map: auto); it has no effect without one")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -108,7 +195,7 @@ class SurgeryConfig(_Strict):
     @field_validator("lr_candidates")
     @classmethod
     def _lr_candidates(cls, value: Optional[List[float]]) -> Optional[List[float]]:
-        if value is not None and (not value or any(lr <= 0 for lr in value)):
+        if value is not None and (not value or any(not lr > 0 or lr == float("inf") for lr in value)):
             raise ValueError("give a non-empty list of positive learning rates")
         return value
 
@@ -124,22 +211,41 @@ class SurgeryConfig(_Strict):
     def _domains(cls, value: Dict[str, DomainConfig]) -> Dict[str, DomainConfig]:
         if not value:
             raise ValueError("at least one domain is required")
+        reserved = _module_attribute_names()
         for name in value:
-            if name == "none" or not DOMAIN_NAME.match(name):
+            if name in RESERVED_NAMES or not DOMAIN_NAME.match(name):
                 raise ValueError(
                     f"domain name {name!r} must be a Python-identifier-like name (letters, digits, _) "
-                    "and not 'none'"
+                    f"and not one of {list(RESERVED_NAMES)}"
+                )
+            if name in reserved:
+                raise ValueError(
+                    f"domain name {name!r} is an attribute of torch's nn.ModuleDict, which holds the domains "
+                    f"in the emitted model (it could not be loaded); rename it, e.g. {name + '_domain'!r}"
                 )
         return value
 
     @model_validator(mode="after")
     def _default_domain(self):
+        if self.default_domain == "auto":
+            if not self.router_enabled:
+                raise ValueError(
+                    "default_domain 'auto' needs the router, but router is "
+                    + ("false" if self.router is False else "off by default with a single domain")
+                    + "; set router: true or name a domain"
+                )
+            return self
         if self.default_domain is not None and self.default_domain != "none" and self.default_domain not in self.domains:
             raise ValueError(
                 f"default_domain {self.default_domain!r} is not a domain; choose one of "
-                f"{sorted(self.domains) + ['none']}"
+                f"{sorted(self.domains) + ['none'] + (['auto'] if self.router_enabled else [])}"
             )
         return self
+
+    @property
+    def router_enabled(self) -> bool:
+        """Whether a router is trained and exported (``router:``, by default with >= 2 domains)."""
+        return self.router if self.router is not None else len(self.domains) >= 2
 
     @property
     def active_domain(self) -> str:
@@ -194,6 +300,8 @@ def _format_error(error: ValidationError, prefix: str) -> str:
             msg = "unknown key (check the spelling; see the README for the supported keys)"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
+        elif item["type"] in ("int_type", "float_type", "int_from_float") and "input" in item:
+            msg = f"{msg} (got {item['input']!r}; write a plain number)"
         lines.append(f"{loc}: {msg}")
     return "; ".join(lines)
 
@@ -208,11 +316,37 @@ def parse_surgery_block(raw: Any, prefix: str = "surgery") -> SurgeryConfig:
         raise SurgeryConfigError(_format_error(error, prefix)) from None
 
 
-def split_yaml(config_source: str):
-    """Parse a mergekit YAML text into (merge config dict without ``surgery``, surgery block or None)."""
+def _unique_key_loader():
+    """A SafeLoader that rejects duplicate mapping keys (PyYAML keeps the last one silently: a second
+    ``math:`` domain would replace the first without a word)."""
     import yaml
 
-    data = yaml.safe_load(config_source)
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hashable = key in seen
+                except TypeError:
+                    continue  # an unhashable key: construct_mapping reports it
+                if hashable:
+                    raise SurgeryConfigError(
+                        f"config: duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at line "
+                        f"{seen[key] + 1}); YAML would silently keep only the last one"
+                    )
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+def split_yaml(config_source: str):
+    """Parse a mergekit YAML text into (merge config dict without ``surgery``, surgery block or None).
+    Duplicate keys anywhere in the file are errors."""
+    import yaml
+
+    data = yaml.load(config_source, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     if not isinstance(data, dict):
         raise SurgeryConfigError("config: expected a YAML mapping at the top level")
     surgery = data.pop("surgery", None)

@@ -35,3 +35,7 @@ def to_click_error(error: Exception):
         exit_code = 2
 
     return DartsClickError(str(error))
+
+
+class SweepConfigError(DartsError, ValueError):
+    """A sweep YAML (its ``sweep:`` block, or a cell it expands to) is invalid."""

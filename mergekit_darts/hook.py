@@ -33,14 +33,22 @@ def wrap_run_merge(module) -> None:
     def run_merge(merge_config, out_path, options=None, config_source=None, *args, **kwargs):
         if disabled() or not config_source or "surgery" not in config_source:
             return original(merge_config, out_path, options, config_source, *args, **kwargs)
+        from mergekit_darts.console import user_logging
         from mergekit_darts.errors import DartsError, to_click_error
-        from mergekit_darts.pipeline import merge_and_repair
+
+        try:
+            from mergekit_darts.pipeline import merge_and_repair
+        except ImportError as error:  # a broken install: say so in one line instead of a traceback
+            raise to_click_error(DartsError(
+                f"surgery: mergekit-darts cannot run the surgery: block ({type(error).__name__}: {error}); "
+                "reinstall mergekit-darts, or set MERGEKIT_DARTS_DISABLE=1 and remove the block")) from None
 
         def merge(config, path, opts, source):
             return original(config, path, opts, source, *args, **kwargs)
 
         try:
-            merge_and_repair(config_source, out_path, merge, options=options, merge_config=merge_config)
+            with user_logging():
+                merge_and_repair(config_source, out_path, merge, options=options, merge_config=merge_config)
         except DartsError as error:
             raise to_click_error(error) from None
 

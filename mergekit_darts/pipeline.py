@@ -20,6 +20,7 @@ import yaml
 
 from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
                                    split_yaml)
+from mergekit_darts.repair.heldout import held_out_kl, prompt_count, split_held_out, split_rows  # noqa: F401
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -63,22 +64,43 @@ def merge_and_repair(config_source: str, out_path: str, run_merge: Callable, opt
         return None
     settings = RunSettings.resolve(surgery, options)
     # a typo costs seconds, not a 70B merge
-    texts = check_before_merge(surgery, merge_config, settings)
-    run_merge(merge_config, out_path, options, config_source)
-    if not settings.quiet:
-        print(f"mergekit-darts: merge written to {out_path}; running {surgery.method} surgery "
-              f"on {len(surgery.domains)} domain(s)", file=sys.stderr)
-    try:
-        report = repair_directory(out_path, surgery, settings, texts=texts)
-    except Exception:
-        LOG.error(
-            "Surgery failed; %s is left as the plain merged model. Fix the cause and run "
-            "`mergekit-darts surgery CONFIG %s` to repair it without merging again.", out_path, out_path,
-        )
-        raise
+    texts = check_before_merge(surgery, merge_config, settings, out_path=out_path)
+    report = _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery,
+                                      settings, texts)
     if not settings.quiet:
         for line in summary_lines(report):
             print(f"mergekit-darts: {line}", file=sys.stderr)
+    return report
+
+
+def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery, settings,
+                             texts) -> dict:
+    """Merge and repair in a staging sibling; ``out_path`` changes only when both succeeded, so a
+    failed run leaves it as it was, or (when it held nothing) as the plain merge of this config
+    (docs/reliability.md)."""
+    from mergekit_darts.output.staging import StagedOutput
+
+    stage = StagedOutput(out_path)
+    try:
+        run_merge(merge_config, stage.path, options, config_source)
+    except BaseException:
+        stage.discard()
+        raise
+    if not settings.quiet:
+        print(f"mergekit-darts: merge written (staged for {out_path}); running {surgery.method} surgery "
+              f"on {len(surgery.domains)} domain(s)", file=sys.stderr)
+    try:
+        report = repair_directory(stage.path, surgery, settings, texts=texts)
+    except BaseException:
+        kept = stage.keep_plain_merge()
+        if kept == os.path.abspath(out_path):
+            LOG.error("Surgery failed; %s is left as the plain merged model. Fix the cause and run "
+                      "`mergekit-darts surgery CONFIG %s` to repair it without merging again.", out_path, out_path)
+        elif kept:
+            LOG.error("Surgery failed; %s is unchanged. The new plain merge is kept at %s: repair it with "
+                      "`mergekit-darts surgery CONFIG %s` and move it into place, or delete it.", out_path, kept, kept)
+        raise
+    stage.commit()
     return report
 
 
@@ -96,10 +118,19 @@ def summary_lines(report: dict) -> List[str]:
     """One line per domain: held-out bias and KL to the expert, before -> after."""
     lines = []
     for name, entry in report["domains"].items():
-        split = "held-out" if entry.get("bias_split", "held_out") == "held_out" else "training-set"
+        split = _split_label(entry)
         parts = [before_after(entry.get("bias"), f"{split} bias"),
-                 before_after(entry.get("held_out_kl"), "KL to expert")]
-        lines.append(f"{name}: " + ", ".join(part for part in parts if part))
+                 before_after(entry.get("held_out_kl"), f"{split} KL to expert")]
+        status = (entry.get("verdict") or {}).get("status", "improved")
+        warning = "" if status == "improved" else f"  WARNING: {status.replace('_', '-')} vs the plain merge"
+        lines.append(f"{name}: " + ", ".join(part for part in parts if part) + warning)
+    default = report.get("default_domain")
+    if isinstance(default, dict) and default.get("used") != default.get("requested"):
+        lines.append(f"default domain: {default['used']} (requested {default['requested']}: {default.get('reason')})")
+    if report.get("router"):
+        from mergekit_darts.repair.router import summary_lines as router_lines
+
+        lines += router_lines(report["router"])
     return lines
 
 
@@ -135,10 +166,59 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
         trained = train_domain(name, data, captured.merged_head, surgery, settings)
         modules[name] = trained.module
         report["domains"][name] = trained.entry
-        LOG.info("domain %s: held-out bias %.4f -> %.4f", name, trained.entry["bias"]["mean_before"],
-                 trained.entry["bias"]["mean_after"])
-    export_step(out_path, surgery, modules, report)
+        LOG.info("domain %s: %s", name, before_after(trained.entry["bias"], f"{_split_label(trained.entry)} bias"))
+    router = None
+    if surgery.router_enabled:
+        router, report["router"] = router_step(out_path, captured, surgery, settings)
+    default = _checked_default(report, surgery)
+    export_step(out_path, surgery, modules, report, router, default_domain=default)
     return report
+
+
+def _split_label(entry: dict) -> str:
+    """What the numbers were measured on: held-out records, or (held_out: 0, too few records) training ones."""
+    return "held-out" if entry.get("bias_split", "held_out") == "held_out" else "training-records"
+
+
+def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
+    """The default domain, never silently one that made things worse (docs/reliability.md)."""
+    from mergekit_darts.repair.report import choose_default
+
+    for name, entry in report["domains"].items():
+        verdict = entry["verdict"]
+        if verdict["status"] != "improved":
+            LOG.warning("domain %s: the correction is %s than the plain merge on %s (%s %s -> %s)", name,
+                        "WORSE" if verdict["status"] == "worse" else "NOT FINITE (no better)",
+                        verdict["measured_on"], verdict["metric"], verdict["before"], verdict["after"])
+    default = choose_default(report, surgery.active_domain, surgery.allow_worse_default)
+    if default != surgery.active_domain:
+        LOG.warning("default domain %r is %s; the output loads as the plain merge ('none'). Set "
+                    "surgery.allow_worse_default: true to keep it anyway.", surgery.active_domain,
+                    report["default_domain"]["reason"])
+    return default
+
+
+def check_finite_capture(captured, surgery: SurgeryConfig, settings: RunSettings) -> None:
+    """NaN/inf hidden states (an expert that overflows in the capture dtype) would train a NaN module."""
+    for name, data in captured.domains.items():
+        for what, tensor in (("merged model's", data.merged_hidden), ("expert's", data.expert_hidden),
+                             ("expert's entropy", data.expert_entropy)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise SurgeryConfigError(
+                    f"surgery.domains.{name}: the {what} captured states hold NaN/inf (dtype {settings.dtype}); "
+                    f"check the model {surgery.domains[name].model!r} or capture with dtype: float32"
+                )
+
+
+def check_finite_training(name: str, module, corrected: torch.Tensor, surgery: SurgeryConfig) -> None:
+    """A diverged correction is never exported (it would load, and generate garbage)."""
+    bad = [key for key, value in module.state_dict().items() if not bool(torch.isfinite(value).all())]
+    if bad or not bool(torch.isfinite(corrected).all()):
+        what = f"non-finite parameters {bad}" if bad else "non-finite corrected states"
+        raise SurgeryConfigError(
+            f"surgery.domains.{name}: training diverged ({what}); lower surgery.lr (now {surgery.lr:g}) "
+            "or surgery.steps"
+        )
 
 
 def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
@@ -162,11 +242,14 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
                                        continue_temperature=domain.calibration.continue_temperature,
                                        sample_seed=settings.seed,
                                        add_special_tokens=not domain.calibration.chat_template))
-    return capture_domains(
+    captured = capture_domains(
         out_path, specs, surgery.max_positions, dtype=settings.dtype, device=settings.device,
         batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
         trust_remote_code=settings.trust_remote_code, progress=settings.progress,
+        device_map=surgery.device_map, max_memory=surgery.max_memory,
     )
+    check_finite_capture(captured, surgery, settings)
+    return captured
 
 
 @dataclass
@@ -175,44 +258,12 @@ class TrainedDomain:
     entry: Dict[str, Any]  # the domain's part of darts_report.json
 
 
-def split_held_out(n: int, share: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(train indices, held-out indices) of ``n`` records; at least one record trains."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    held = int(round(share * n)) if share > 0 and n >= 2 else 0
-    held = min(held, n - 1)
-    return order[held:].sort().values, order[:held].sort().values
-
-
-def split_rows(data, surgery: SurgeryConfig, seed: int) -> Dict[str, torch.Tensor]:
-    """Row indices {train, validation, held_out} of a captured domain, split by prompt.
-
-    Rows ``[0, prompts)`` are the prompts' greedy (or plain) rows; sampled continuations follow,
-    ``data.groups`` naming each row's prompt. The held-out split is the same prompts as without
-    samples, and is measured on their greedy rows only, so numbers stay comparable across settings.
-    Validation prompts (``surgery.validation`` of the training prompts) are kept only when something
-    is chosen with them (``lr_candidates`` / ``early_stopping``)."""
-    n_rows = data.merged_hidden.shape[0]
-    groups = getattr(data, "groups", None)
-    groups = torch.arange(n_rows) if groups is None else groups
-    prompts = int(groups.max()) + 1
-    train_prompts, held_prompts = split_held_out(prompts, surgery.held_out, seed)
-    validation_prompts = train_prompts[:0]
-    if surgery.early_stopping or (surgery.lr_candidates and len(surgery.lr_candidates) > 1):
-        fit_idx, val_idx = split_held_out(train_prompts.numel(), surgery.validation, seed + 1)
-        train_prompts, validation_prompts = train_prompts[fit_idx], train_prompts[val_idx]
-    in_train = torch.isin(groups, train_prompts)
-    in_validation = torch.isin(groups, validation_prompts) & (torch.arange(n_rows) < prompts)
-    in_refit = in_train | torch.isin(groups, validation_prompts)
-    return {"train": torch.nonzero(in_train).flatten(), "validation": torch.nonzero(in_validation).flatten(),
-            "held_out": held_prompts, "refit": torch.nonzero(in_refit).flatten()}
-
-
 def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryConfig,
                  settings: RunSettings) -> TrainedDomain:
     """Train one domain's module on its cached states and measure it on the held-out records."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
     from mergekit_darts.repair.capture import resolve_device
-    from mergekit_darts.repair.report import bias_by_position
+    from mergekit_darts.repair.report import bias_by_position, domain_verdict
     from mergekit_darts.repair.selection import fit
 
     started = time.perf_counter()
@@ -244,6 +295,8 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         merged_head=merged_head.to(device, torch.float32) if kl else None,
         chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
         refit=on_device(rows["refit"]) if surgery.refit and rows["validation"].numel() else None,
+        kl_options={"kl_target": surgery.kl_target, "kl_top_k": surgery.kl_top_k,
+                    "kl_precision": surgery.kl_precision, "kl_positions_per_step": surgery.kl_positions_per_step},
     )
     module, history = fitted.module, fitted.history
     module = module.cpu().eval()
@@ -262,6 +315,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     held = {k: v[eval_idx] for k, v in tensors.items()}
     with torch.no_grad():
         corrected = module(held["merged"].float(), held["position_ids"])
+    check_finite_training(name, module, corrected, surgery)
     entry["bias"] = bias_by_position(
         held["merged"].float(), held["target"].float(), held["mask"], held["position_ids"],
         held["entropy"], corrected, max_positions=surgery.max_positions,
@@ -269,33 +323,47 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     # whatever the training loss, report how much of the expert's next-token distribution the
     # correction recovers: the quantity that decides generation (docs/design.md §3)
     entry["held_out_kl"] = held_out_kl(module, held, data.expert_head, merged_head, surgery.kl_chunk_size)
+    entry["verdict"] = domain_verdict(entry, surgery.loss)
     return TrainedDomain(module=module, entry=entry)
 
 
-@torch.no_grad()
-def held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str, float]:
-    """Mean KL(expert || merged) before and after the correction on held-out positions, and the
-    share of that gap the correction closes (1 = the expert's distribution, 0 = the plain merge)."""
-    from mergekit_darts.repair.losses import kl_loss
+def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSettings):
+    """Train the domain router on the captured prompt states (docs/routing.md); measure it on the
+    surgery's held-out records and on ``router_eval`` (or swapped domains). Returns (router, entry)."""
+    from mergekit_darts.repair.router import pooled_prompts, train_router
 
-    mask = held["mask"].bool()
-    merged = held["merged"].float()
-    target = held["target"].float()[mask]
-    before = kl_loss(merged[mask], target, expert_head, merged_head, chunk_size=chunk_size)
-    corrected = module(merged, held["position_ids"])[mask]
-    head = module.head_correction if module.head_rank > 0 else None
-    after = kl_loss(corrected, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size)
-    gap_closed = 1.0 - float(after) / float(before) if float(before) > 0 else None
-    result = {"before": float(before), "after": float(after), "gap_closed": gap_closed}
-    if module.position_bias is not None:
-        # what `mergekit-darts bake --drop-position-bias` keeps: the correction without its table
-        unbiased = (merged - module.content(merged))[mask]
-        result["after_without_position_bias"] = float(
-            kl_loss(unbiased, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
-    return result
+    # the greedy rows only: a sampled continuation repeats its prompt, whose pooled state would then
+    # sit on both sides of the router's held-out split
+    pooled = {name: pooled_prompts(data)[:prompt_count(data)] for name, data in captured.domains.items()}
+    splits = {name: split_held_out(rows.shape[0], surgery.held_out, settings.seed) for name, rows in pooled.items()}
+    eval_pooled = None
+    if surgery.router_eval is not None:
+        eval_pooled = pooled_prompts(_capture_router_eval(out_path, surgery, settings))
+    return train_router(pooled, splits, surgery.router_threshold, eval_pooled=eval_pooled)
 
 
-def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], report: dict) -> None:
+def _capture_router_eval(out_path: str, surgery: SurgeryConfig, settings: RunSettings):
+    from transformers import AutoTokenizer
+
+    from mergekit_darts.repair.calibration import apply_chat_template, load_calibration_texts
+    from mergekit_darts.repair.capture import DomainCaptureSpec, capture_merged_prompts
+
+    where = "surgery.router_eval"
+    texts = load_calibration_texts(surgery.router_eval, settings.seed, where)
+    if surgery.router_eval.chat_template:
+        tokenizer = AutoTokenizer.from_pretrained(out_path, trust_remote_code=settings.trust_remote_code)
+        texts = apply_chat_template(texts, tokenizer, where=f"{where}.chat_template")
+    spec = DomainCaptureSpec(name="router_eval", expert=out_path, texts=texts,
+                             add_special_tokens=not surgery.router_eval.chat_template)
+    return capture_merged_prompts(
+        out_path, spec, surgery.max_positions, dtype=settings.dtype, device=settings.device,
+        batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
+        trust_remote_code=settings.trust_remote_code, progress=settings.progress,
+    )
+
+
+def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], report: dict,
+                router=None, default_domain: Optional[str] = None) -> None:
     """The bias plot (best effort) and the atomic export of modules, report and card."""
     from mergekit_darts.output.export import export_surgery
     from mergekit_darts.repair.report import plot_bias
@@ -309,4 +377,5 @@ def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], 
         except Exception as error:  # a plot must never cost the user their surgery
             LOG.warning("could not draw darts_bias.png: %s", error)
         export_surgery(out_path, modules, {name: d.model for name, d in surgery.domains.items()},
-                       surgery.active_domain, loss=surgery.loss, report=report, extra_files=extra)
+                       default_domain or surgery.active_domain, loss=surgery.loss, report=report,
+                       extra_files=extra, router=router)

@@ -70,7 +70,10 @@ def test_model_args_only_pass_a_domain_to_darts_dirs(tmp_path):
     with pytest.raises(EvaluationError, match="not a mergekit-darts output"):
         model_args(str(tmp_path), "math")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "darts": {"domains": {}}}))
-    args = model_args(str(tmp_path), "math")
+    with pytest.raises(EvaluationError, match="--trust-remote-code"):
+        model_args(str(tmp_path), "math")  # the directory's code never runs unasked
+    assert "trust_remote_code" not in model_args(str(tmp_path), "none")  # loads as the plain merge
+    args = model_args(str(tmp_path), "math", trust_remote_code=True)
     assert args["trust_remote_code"] is True and args["darts_domain"] == "math"
 
 
@@ -192,10 +195,10 @@ def test_eval_command_on_a_darts_directory(tiny_family, tmp_path, data_files):
     )
     run_surgery(cfg, str(out))
     for domain in ("math", "none"):
-        lm = HFLM(**model_args(str(out), domain), device="cpu")
+        lm = HFLM(**model_args(str(out), domain, trust_remote_code=True), device="cpu")
         assert lm.model.darts_domain == domain
     result = CliRunner().invoke(eval_command, [
-        str(out), "--domain", "math", "--compare-none", "--data", data_files["gsm8k_darts"], "--limit", "1",
+        str(out), "--domain", "math", "--compare-none", "--trust-remote-code", "--data", data_files["gsm8k_darts"], "--limit", "1",
         "--max-gen-toks", "2", "--device", "cpu", "--output-dir", str(tmp_path / "res")])
     assert result.exit_code == 0, result.output + repr(result.exception)
     header = next(line for line in result.output.splitlines() if line.startswith("task"))

@@ -22,6 +22,8 @@ COMMANDS = {
     "demo": ("mergekit_darts.cli.demo:demo_command", "The built-in demo on a tiny model family (CPU)."),
     "bake": ("mergekit_darts.cli.serve:bake_command", "Fold one domain into the LM head: a plain model directory."),
     "export-peft": ("mergekit_darts.cli.serve:export_peft_command", "One PEFT LoRA adapter (lm_head) per domain."),
+    "sweep": ("mergekit_darts.cli.sweep:sweep_command", "A grid of merges x surgery variants x seeds on Ray."),
+    "push": ("mergekit_darts.cli.hub:push_command", "Check an output directory, then upload it to the Hub."),
 }
 
 
@@ -40,10 +42,12 @@ class LazyGroup(click.Group):
             formatter.write_dl([(name, short) for name, (_, short) in COMMANDS.items()])
 
     def invoke(self, ctx):
+        from mergekit_darts.console import user_logging
         from mergekit_darts.errors import DartsError, to_click_error
 
         try:
-            return super().invoke(ctx)
+            with user_logging():  # our warnings as "mergekit-darts: warning: ...", each once per run
+                return super().invoke(ctx)
         except DartsError as error:
             raise to_click_error(error) from None
 

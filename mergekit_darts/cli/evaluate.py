@@ -49,7 +49,8 @@ def _eval_options(func, with_device: bool = True):
         click.option("--allow-code-execution", is_flag=True,
                      help="Required for humaneval_darts: runs model-written code in a resource-limited sandbox."),
         click.option("--batch-size", default="1", show_default=True, help="lm-eval batch size (or 'auto')."),
-        click.option("--max-gen-toks", type=int, default=None, help="Override the tasks' generation length."),
+        click.option("--max-gen-toks", type=int, default=None, help="New tokens per answer (default: the tasks' 512, or half the model's context when "
+                          "that is shorter; it must leave room for the prompt)."),
         click.option("--chat-template", is_flag=True, help="Apply the tokenizer's chat template (instruction models)."),
     ]
     if with_device:  # compare gets --device from the surgery options instead
@@ -74,9 +75,12 @@ def _evaluate_kwargs(data, limit, allow_code_execution, batch_size, max_gen_toks
 @click.option("--domain", required=True, help="darts_domain to activate ('none' = the plain merged model).")
 @_eval_options
 @click.option("--compare-none", is_flag=True, help="Also evaluate darts_domain=none and print both.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Run OUT_PATH's own modeling code (needed for any --domain but none), as transformers requires.")
 @click.option("--output-dir", default=None, metavar="DIR",
               help="Write results.json (and alpaca_outputs.<domain>.json for alpaca_darts) here.")
-def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, output_dir: Optional[str], **kwargs):
+def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, trust_remote_code: bool,
+                 output_dir: Optional[str], **kwargs):
     """Score OUT_PATH with one domain active on GSM8K / HumanEval / instruction tasks (lm-eval, offline).
 
     \b
@@ -91,7 +95,8 @@ def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, out
     domains = (["none"] if compare_none and domain != "none" else []) + [domain]
     options = _evaluate_kwargs(**kwargs)
     try:
-        runs = [evaluate(out_path, d, task_list, outputs_dir=output_dir, **options) for d in domains]
+        runs = [evaluate(out_path, d, task_list, outputs_dir=output_dir, trust_remote_code=trust_remote_code,
+                         **options) for d in domains]
     except EvaluationError as error:
         raise click.UsageError(str(error)) from None
     click.echo("\n" + results_table(runs))  # a newline: progress bars leave the cursor mid-line
@@ -138,7 +143,7 @@ def _groups(value: str) -> Dict[str, Dict[str, str]]:
 def compare_command(config_file: str, out_path: str, seeds: int, first_seed: int, groups: str, demo: bool,
                     demo_seed: int, tasks: str, json_path: str, restore: bool, device, cuda, random_seed,
                     trust_remote_code, quiet, **kwargs):
-    """Surgery variants over several calibration seeds (the paper's Table 4: standard + L1 vs DARTS + EWL1).
+    """Surgery variants over several calibration seeds: standard + L1 vs DARTS + EWL1 by default.
 
     \b
     Trains both on MERGED_PATH once per seed (hidden states are cached, so reruns only train),

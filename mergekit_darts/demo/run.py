@@ -189,13 +189,17 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
             log(f"surgery: {label}")
             reports[key] = run_surgery(config, out, overrides=overrides, options=options, progress=progress)
         if key == MAIN[0]:
-            for extra in ("darts_bias.png", "darts_report.json"):
+            for extra in ("darts_report.json",):
                 if os.path.exists(os.path.join(out, extra)):
                     shutil.copy(os.path.join(out, extra), os.path.join(workdir, extra))
         labels[key] = label
         log(f"scoring {label}")
         rows[key] = score_surgery(out, tokenizer, test, domains, progress=progress)
     tick("ablations+scoring")
+    # one figure for every variant, so the KL one the README recommends is seen next to the paper's
+    from mergekit_darts.repair.report import plot_bias, variant_label
+
+    plot_bias({variant_label(r): r for r in reports.values()}, os.path.join(workdir, "darts_bias.png"))
     # leave the output directory with the main configuration (cheap: the capture is cached)
     run_surgery(config, out, options=options, progress=progress)
     tick("restore main")
@@ -212,6 +216,8 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
         "kl_gap_closed": {k: {d: e["held_out_kl"]["gap_closed"] for d, e in r["domains"].items()}
                           for k, r in reports.items()},
         "samples": samples, "timings_s": timings, "output_dir": out, "config": config_path,
+        # every variant's report, so darts_bias.png can be redrawn: plot_bias(result["reports"], path)
+        "reports": {variant_label(r): r for r in reports.values()},
     }
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(result, f, indent=1)

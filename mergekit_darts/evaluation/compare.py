@@ -1,4 +1,4 @@
-"""Multi-seed comparison of surgery variants (the paper's Table 4).
+"""Multi-seed comparison of surgery variants (Table 4 of the DARTS paper, arXiv 2608.28547).
 
 ``run_compare`` trains standard surgery + L1 and DARTS + EWL1 once per calibration seed on the same
 merged directory (the hidden-state capture is cached, so each rerun only trains), scores every run,
@@ -86,7 +86,8 @@ def task_scorer(tasks: Sequence[str], **evaluate_kwargs) -> Scorer:
     def score(out_dir: str, report: Dict[str, Any]) -> Dict[str, float]:
         scores = {}
         for domain in report.get("domains", {}):
-            result = evaluate(out_dir, domain, tasks, **evaluate_kwargs)
+            # the directory's code was written by this run's export (the packaged remote_code files)
+            result = evaluate(out_dir, domain, tasks, trust_remote_code=True, **evaluate_kwargs)
             for task, metrics in result["tasks"].items():
                 scores.update({f"{domain}/{task}/{metric}": value for metric, value in metrics.items()})
         return scores
@@ -142,8 +143,9 @@ def run_compare(
             runs.append({"group": group, "seed": seed, "scores": scorer(out_path, report)})
     metrics = sorted({m for run in runs for m in run["scores"]})
     summary = {
-        metric: summarize_groups({g: [r["scores"][metric] for r in runs if r["group"] == g and metric in r["scores"]]
-                                  for g in groups})
+        metric: {**summarize_groups({g: [r["scores"][metric] for r in runs if r["group"] == g and metric in r["scores"]]
+                                     for g in groups}),
+                 "better": "lower" if lower_is_better(metric) else "higher"}
         for metric in metrics
     }
     if restore:
@@ -157,17 +159,53 @@ def _num(value: Optional[float], digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
+def lower_is_better(metric: str) -> bool:
+    """Held-out bias / KL (``heldout_scorer``) are distances to the expert; every other score
+    (task metrics, demo accuracy) is a score to maximise."""
+    return metric.rpartition("/")[2].startswith("heldout_")
+
+
+def smallest_p(n_a: int, n_b: int) -> float:
+    """The smallest two-sided p an exact Mann-Whitney U test can give for groups of n_a and n_b
+    (complete separation, no ties): 2 / C(n_a + n_b, n_a), capped at 1."""
+    return min(1.0, 2.0 / math.comb(n_a + n_b, n_a)) if n_a and n_b else 1.0
+
+
+def _better(summary: Dict[str, Any], pair: str, lower: bool) -> str:
+    a, b = pair.split(" vs ")
+    mean_a, mean_b = summary["groups"][a]["mean"], summary["groups"][b]["mean"]
+    if mean_a is None or mean_b is None or mean_a == mean_b:
+        return "equal means"
+    return f"{a if (mean_a < mean_b) == lower else b} better on mean"
+
+
 def compare_table(result: Dict[str, Any]) -> str:
-    """Per metric: each group's per-seed scores, mean ± std, Shapiro W/p; then Mann-Whitney U/p."""
+    """Per metric (with its direction): each group's per-seed scores, mean ± std, Shapiro W/p;
+    then Mann-Whitney U/p and which group is better; notes where n is too small for a test."""
     lines = []
+    notes = set()
     for metric, summary in result["stats"].items():
-        lines.append(f"{metric}")
+        lower = lower_is_better(metric)
+        lines.append(f"{metric} ({'lower' if lower else 'higher'} is better)")
         for name, group in summary["groups"].items():
-            shapiro = group["shapiro"] or {}
+            shapiro = group["shapiro"]
+            normality = (f"Shapiro W={_num(shapiro['W'])} p={_num(shapiro['p'])}" if shapiro
+                         else f"Shapiro: n={group['n']}, needs 3")
             per_seed = " ".join(_num(v) for v in group["scores"])
-            lines.append(f"  {name:<14} mean {_num(group['mean'])} ± {_num(group['std'])}  "
-                         f"Shapiro W={_num(shapiro.get('W'))} p={_num(shapiro.get('p'))}  [{per_seed}]")
+            lines.append(f"  {name:<14} mean {_num(group['mean'])} ± {_num(group['std'])}  {normality}  [{per_seed}]")
+            if not shapiro:
+                notes.add("Shapiro-Wilk needs at least 3 scores per group, so normality is not tested")
         for pair, test in summary["mann_whitney"].items():
-            if test:
-                lines.append(f"  Mann-Whitney {pair}: U={_num(test['U'])} p={_num(test['p'])} (two-sided)")
+            if not test:
+                continue
+            a, b = pair.split(" vs ")
+            n_a, n_b = summary["groups"][a]["n"], summary["groups"][b]["n"]
+            lines.append(f"  Mann-Whitney {pair}: U={_num(test['U'])} p={_num(test['p'])} (two-sided; "
+                         f"{_better(summary, pair, lower)})")
+            floor = smallest_p(n_a, n_b)
+            if floor >= 0.05:
+                notes.add(f"with n={n_a} and n={n_b} seeds the smallest two-sided Mann-Whitney p possible is "
+                          f"{floor:.2g}, so no difference can reach p < 0.05; use --seeds 4 or more")
+    if notes:
+        lines += ["", *(f"note: {note}" for note in sorted(notes))]
     return "\n".join(lines)

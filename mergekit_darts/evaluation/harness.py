@@ -14,7 +14,9 @@ Tasks (templates in ``mergekit_darts/lmeval_tasks``, all offline on local files)
 
 import gzip
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from importlib import resources
@@ -28,6 +30,8 @@ TASKS = ("gsm8k_darts", "humaneval_darts", "alpaca_darts")
 DATA_TASKS = ("gsm8k_darts", "alpaca_darts")  # tasks that need a user-supplied data file
 from mergekit_darts.errors import EvaluationError  # noqa: E402,F401  (re-exported)
 from mergekit_darts.output.layout import NONE_DOMAIN, is_darts_dir  # noqa: E402
+
+LOG = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,11 +110,73 @@ def prepare_tasks(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]
 
 
 # ----------------------------------------------------------------------------------------------
+# Generation length vs the model's context
+
+# the config keys lm-eval's HFLM reads the context length from, in its order
+_CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx")
+
+
+def context_length(model_dir: str) -> Optional[int]:
+    """The model's maximum sequence length from its config.json (None when it does not say)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return None  # not a local directory: lm-eval resolves it (and reports problems) itself
+    for section in (config.get("text_config") or {}, config):
+        for key in _CONTEXT_KEYS:
+            if isinstance(section.get(key), int) and section[key] > 0:
+                return section[key]
+    return None
+
+
+def task_max_gen_toks(task: str) -> int:
+    """The generation length a shipped task asks for (its YAML's ``max_gen_toks``)."""
+    text = resources.files("mergekit_darts.evaluation.lmeval_tasks").joinpath(f"{task}.yaml").read_text("utf-8")
+    return int(re.search(r"^\s*max_gen_toks:\s*(\d+)", text, re.M).group(1))
+
+
+def generation_length(model_dir: str, tasks: Sequence[str], max_gen_toks: Optional[int]) -> Optional[int]:
+    """The ``max_gen_toks`` to give lm-eval: the user's, or the tasks' own when the model can hold it.
+
+    lm-eval needs prompt + generation to fit the model's context and otherwise fails deep inside
+    with an assertion. A length the user asked for that cannot fit is an error naming
+    ``--max-gen-toks``; the tasks' default (512) on a small-context model is clipped to half the
+    context, leaving the other half for the prompt, with a one-line note.
+    """
+    context = context_length(model_dir)
+    if max_gen_toks is not None:
+        if max_gen_toks < 1:
+            raise EvaluationError(f"--max-gen-toks {max_gen_toks}: must be at least 1")
+        if context is not None and max_gen_toks >= context:
+            raise EvaluationError(
+                f"--max-gen-toks {max_gen_toks}: {model_dir} has a context of {context} tokens "
+                f"(config.json), which must hold the prompt and the answer; use --max-gen-toks {context // 2} "
+                "or less")
+        return max_gen_toks
+    wanted = max(task_max_gen_toks(task) for task in tasks)
+    if context is None or wanted <= context // 2:
+        return None  # the tasks' own lengths fit
+    clipped = max(1, context // 2)
+    LOG.warning("%s has a context of %d tokens: generating at most %d new tokens per answer instead of "
+                "the tasks' %d (--max-gen-toks sets it)", model_dir, context, clipped, wanted)
+    return clipped
+
+
+# ----------------------------------------------------------------------------------------------
 # Evaluation
 
-def model_args(model_dir: str, domain: str, dtype: str = "auto") -> Dict[str, Any]:
+def model_args(model_dir: str, domain: str, dtype: str = "auto", trust_remote_code: bool = False) -> Dict[str, Any]:
+    """lm-eval ``hf`` model arguments. A Darts directory's correction lives in Python files inside it;
+    they run only with ``trust_remote_code`` given explicitly (as transformers and lm-eval require).
+    Without it, ``domain`` must be "none": the directory then loads as the plain merged model."""
     args: Dict[str, Any] = {"pretrained": model_dir, "dtype": dtype}
-    if is_darts_dir(model_dir):
+    if is_darts_dir(model_dir) and domain != NONE_DOMAIN and not trust_remote_code:
+        raise EvaluationError(
+            f"{model_dir}: --domain {domain} runs the Python code in that directory (modeling_darts.py, "
+            "surgery.py); pass --trust-remote-code (trust_remote_code=True) if you trust it"
+        )
+    if is_darts_dir(model_dir) and trust_remote_code:
         args.update(trust_remote_code=True, darts_domain=domain)
     elif domain != NONE_DOMAIN:
         raise EvaluationError(
@@ -142,7 +208,7 @@ def evaluate(
     model_dir: str, domain: str, tasks: Sequence[str], data: Union[None, str, Mapping[str, str]] = None,
     limit: Optional[int] = None, allow_code_execution: bool = False, batch_size: Union[int, str] = 1,
     device: Optional[str] = None, max_gen_toks: Optional[int] = None, apply_chat_template: bool = False,
-    outputs_dir: Optional[str] = None, dtype: str = "auto",
+    outputs_dir: Optional[str] = None, dtype: str = "auto", trust_remote_code: bool = False,
 ) -> Dict[str, Any]:
     """Score ``model_dir`` with ``darts_domain=domain`` on ``tasks``; returns a JSON-able dict.
 
@@ -155,7 +221,8 @@ def evaluate(
             "humaneval_darts executes model-written code; pass --allow-code-execution "
             "(allow_code_execution=True) to run it in the sandbox"
         )
-    args = model_args(model_dir, domain, dtype)
+    args = model_args(model_dir, domain, dtype, trust_remote_code=trust_remote_code)
+    max_gen_toks = generation_length(model_dir, tasks, max_gen_toks)
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager

@@ -31,7 +31,8 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         CARD_BEGIN,
         "## Representation surgery",
         "",
-        "This merge carries per-domain representation surgery modules (DARTS, added by "
+        "This merge carries per-domain representation surgery modules (DARTS, Decoder-Aware Representation "
+        "Tuning via Surgery, [arXiv 2608.28547](https://arxiv.org/abs/2608.28547); added by "
         "[mergekit-darts](https://pypi.org/project/mergekit-darts/)): each corrects the merged model's "
         "final hidden state towards its domain's expert before the LM head.",
         "",
@@ -40,10 +41,14 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         f"- Added parameters: {added:,} ({100.0 * added / max(merged, 1):.3f}% of the merged model's {merged:,})",
         f"- Default domain: `{default_domain}`",
         "",
-        "| Domain | Expert | Calibration (train / held-out) | Final loss | Held-out bias before → after "
-        "| Held-out KL to expert before → after |",
-        "|---|---|---|---|---|---|",
+        "| Domain | Expert | Calibration (train / held-out) | Final loss | Measured on | Bias before → after "
+        "| KL to expert before → after | Verdict |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    chosen = (report or {}).get("default_domain")
+    if isinstance(chosen, dict) and chosen.get("used") != chosen.get("requested"):
+        lines[lines.index(f"- Default domain: `{default_domain}`")] += (
+            f" (requested `{chosen.get('requested')}`: {chosen.get('reason')})")
     for name, expert in domains.items():
         info = by_domain.get(name, {})
         calib = info.get("calibration") or {}
@@ -52,7 +57,14 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         change = f"{_fmt(bias.get('mean_before'))} → {_fmt(bias.get('mean_after'))}" if bias else "–"
         kl = info.get("held_out_kl") or {}
         kl_change = f"{_fmt(kl.get('before'))} → {_fmt(kl.get('after'))}" if kl else "–"
-        lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {change} | {kl_change} |")
+        # numbers from training records (held_out: 0 or too few records) must not be called held-out
+        measured = "held-out records" if info.get("bias_split", "held_out") == "held_out" else "**training records**"
+        verdict = (info.get("verdict") or {}).get("status", "–")
+        if verdict in ("worse", "non_finite"):
+            verdict = f"**{verdict.replace('_', '-')} than the plain merge**"
+        lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {measured} | {change} "
+                     f"| {kl_change} | {verdict} |")
+    lines += _router_lines(darts_meta.get("router"), (report or {}).get("router"))
     example = next(iter(domains))
     lines += [
         "",
@@ -75,6 +87,42 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         "",
     ]
     return "\n".join(lines)
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def _router_lines(settings: Optional[dict], measured: Optional[dict]) -> list:
+    """The routing section: settings, per-domain accuracy and the confusion matrix (docs/routing.md)."""
+    if not settings:
+        return []
+    measured = measured or {}
+    labels = [*settings["domains"], "none"]
+    split = "held-out" if measured.get("split") == "held_out" else "training"
+    lines = [
+        "",
+        "### Automatic domain routing",
+        "",
+        f"`darts_domain=\"auto\"` picks each prompt's domain from the merged model's own final hidden states "
+        f"(mean-pooled prompt, {settings['kind']} router); a prompt whose confidence is below "
+        f"{settings['threshold']} gets `none` (the plain merge).",
+        "",
+    ]
+    confusion = measured.get("confusion") or {}
+    if confusion:
+        lines += [f"Routing on {split} calibration records (rows: true domain, columns: routed to):", "",
+                  "| Domain | Accuracy | " + " | ".join(f"→ `{label}`" for label in labels) + " |",
+                  "|---|---|" + "---|" * len(labels)]
+        for name, row in confusion.items():
+            cells = " | ".join(str(row.get(label, 0)) for label in labels)
+            lines.append(f"| `{name}` | {_pct((measured.get('accuracy') or {}).get(name))} | {cells} |")
+    ood = measured.get("out_of_domain") or {}
+    if ood.get("none_share") is not None:
+        what = ("the `router_eval` texts" if ood.get("source") == "router_eval" else
+                "each domain's prompts routed by a router trained without that domain")
+        lines += ["", f"Out-of-domain prompts sent to `none`: {_pct(ood['none_share'])} (on {what})."]
+    return lines
 
 
 def updated_card(out_dir: str, section: str) -> str:

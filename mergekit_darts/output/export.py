@@ -23,7 +23,7 @@ from mergekit_darts.output.layout import (
     ARCH_PREFIX, DARTS_SHARD, INDEX, MODELING_FILES, NONE_DOMAIN, REPORT, RESERVED_DOMAINS, SINGLE_SHARD,
     SINGLE_WEIGHTS, STAGING_PREFIX, plain_architecture, plain_config, read_json, safetensors_header, write_json,
 )
-from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
+from mergekit_darts.remote_code.surgery import DomainRouter, DomainSurgery, SurgeryShape
 
 # the two files shipped into every output directory live in the remote_code package
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "remote_code")
@@ -50,21 +50,32 @@ def shared_shape(modules: Dict[str, DomainSurgery], config: dict) -> SurgeryShap
     return shape
 
 
-def _check_domains(modules: Dict[str, DomainSurgery], experts: Dict[str, str], default_domain: str) -> None:
+def _check_domains(modules: Dict[str, DomainSurgery], experts: Dict[str, str], default_domain: str,
+                   router: Optional[DomainRouter] = None, hidden_size=None) -> None:
     for reserved in RESERVED_DOMAINS:
         if reserved in modules:
             raise ValueError(f"domain name {reserved!r} is reserved")
     if set(modules) != set(experts):
         raise ValueError(f"experts {sorted(experts)} does not match the modules {sorted(modules)}")
-    if default_domain != NONE_DOMAIN and default_domain not in modules:
+    if router is not None:
+        if sorted(router.domains) != sorted(modules):
+            raise ValueError(f"router: routes to {router.domains}, but the modules are {sorted(modules)}")
+        if router.hidden_size != hidden_size:
+            raise ValueError(f"router: hidden_size={router.hidden_size}, but the model needs {hidden_size}")
+    if default_domain == layout.AUTO_DOMAIN:
+        if router is None:
+            raise ValueError("default_domain: 'auto' needs a router; train one (router: true) or name a domain")
+    elif default_domain != NONE_DOMAIN and default_domain not in modules:
         raise ValueError(f"default_domain: unknown domain {default_domain!r}; choose one of {[*modules, NONE_DOMAIN]}")
 
 
-def darts_tensors(modules: Dict[str, DomainSurgery]) -> Dict[str, torch.Tensor]:
-    """``darts.<domain>.<param>`` -> float32 contiguous CPU tensor (the Darts model's state-dict keys)."""
+def darts_tensors(modules: Dict[str, DomainSurgery], router: Optional[DomainRouter] = None) -> Dict[str, torch.Tensor]:
+    """``darts.<domain>.<param>`` (and ``darts.router.<param>``) -> float32 contiguous CPU tensor
+    (the Darts model's state-dict keys)."""
+    owners = {**modules, **({layout.ROUTER_NAME: router} if router is not None else {})}
     return {
-        layout.darts_tensor_name(domain, key): value.detach().to("cpu", torch.float32).contiguous()
-        for domain, module in modules.items()
+        layout.darts_tensor_name(owner, key): value.detach().to("cpu", torch.float32).contiguous()
+        for owner, module in owners.items()
         for key, value in module.state_dict().items()
     }
 
@@ -79,20 +90,28 @@ def export_surgery(
     loss: str,
     report: Optional[dict] = None,
     extra_files: Optional[Dict[str, str]] = None,
+    router: Optional[DomainRouter] = None,
 ) -> None:
     """Add the surgery ``modules`` (domain -> DomainSurgery) to the merged model in ``out_dir``.
 
     ``config.darts`` gets the modules' shape, ``loss`` and ``experts`` (domain -> expert model);
     ``default_domain`` (a domain or "none") becomes ``config.darts_domain``. ``report`` is written to
     darts_report.json and summarised in the model card; ``extra_files`` (name -> source path) are
-    copied in. Running it again replaces the previous surgery entirely.
+    copied in. ``router`` (optional) goes in as ``darts.router.*`` tensors and ``config.darts.router``
+    settings; it makes ``default_domain="auto"`` possible. Running it again replaces the previous
+    surgery entirely (a rerun without a router drops the earlier one).
     """
+    from mergekit_darts.repair.report import sanitized_report
+
+    # NaN/inf in the report become null + a "non_finite_values" list: darts_report.json stays valid JSON
+    report = sanitized_report(report) if report is not None else None
     config_path = os.path.join(out_dir, "config.json")
     config = read_json(config_path)
     arch = plain_architecture(config)
     shape = shared_shape(modules, config)
-    _check_domains(modules, experts, default_domain)
-    darts_meta = layout.darts_entry(shape.to_meta(), loss, experts, __version__)
+    _check_domains(modules, experts, default_domain, router, config.get("hidden_size"))
+    darts_meta = layout.darts_entry(shape.to_meta(), loss, experts, __version__,
+                                    extra={layout.ROUTER_NAME: router.to_meta()} if router is not None else None)
     for name, source in (extra_files or {}).items():
         if os.path.basename(name) != name or not os.path.isfile(source):
             raise ValueError(f"extra_files: {name!r} must be a plain file name with an existing source ({source!r})")
@@ -108,7 +127,7 @@ def export_surgery(
         merged_bytes = sum(layout.tensor_bytes(h) for h in headers)
         merged_params = sum(layout.numel(h) for h in headers)
         old_index = read_json(os.path.join(out_dir, INDEX))
-    tensors = darts_tensors(modules)
+    tensors = darts_tensors(modules, router)
     added = sum(t.numel() for t in tensors.values())
 
     for leftover in os.listdir(out_dir):  # from an export that was killed before its cleanup
@@ -192,7 +211,8 @@ def read_darts_info(out_dir: str) -> dict:
             if key in report.get("domains", {}).get(name, {}):
                 info[key] = report["domains"][name][key]
         domains[name] = info
-    added = sum(d["parameters"] for d in domains.values())
+    router = _router_info(meta, header, report)
+    added = sum(d["parameters"] for d in domains.values()) + (router["parameters"] if router else 0)
     return {
         "architecture": (config.get("architectures") or [None])[0],
         "default_domain": config.get(layout.DOMAIN_KEY, NONE_DOMAIN),
@@ -205,4 +225,19 @@ def read_darts_info(out_dir: str) -> dict:
         "merged_parameters": merged_params,
         "share": added / merged_params if merged_params else None,
         "has_modeling_files": all(os.path.exists(os.path.join(out_dir, f)) for f in MODELING_FILES),
+        "router": router,
     }
+
+
+def _router_info(meta: dict, header: dict, report: dict) -> Optional[dict]:
+    """The router's settings, tensors and measured routing (None for a directory without a router)."""
+    settings = meta.get(layout.ROUTER_NAME)
+    if not isinstance(settings, dict):
+        return None
+    mine = {k: v for k, v in header.items() if k.startswith(layout.darts_tensor_name(layout.ROUTER_NAME, ""))}
+    info = {**settings, "parameters": layout.numel(mine), "tensors": sorted(mine)}
+    measured = report.get(layout.ROUTER_NAME) or {}
+    for key in ("split", "accuracy", "mean_accuracy", "confusion", "out_of_domain"):
+        if key in measured:
+            info[key] = measured[key]
+    return info

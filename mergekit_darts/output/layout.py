@@ -17,7 +17,9 @@ from mergekit_darts.errors import FormatError
 DARTS_KEY = "darts"  # the correction's description (see ``darts_entry``)
 DOMAIN_KEY = "darts_domain"  # the domain active when the directory is loaded
 NONE_DOMAIN = "none"  # the plain merged model
-RESERVED_DOMAINS = (NONE_DOMAIN, "auto")
+AUTO_DOMAIN = "auto"  # routed per prompt by the router (docs/routing.md)
+ROUTER_NAME = "router"  # the router's tensors are darts.router.*, its settings config.darts["router"]
+RESERVED_DOMAINS = (NONE_DOMAIN, AUTO_DOMAIN, ROUTER_NAME)
 ARCH_PREFIX = "Darts"  # DartsLlamaForCausalLM wraps LlamaForCausalLM
 
 # files
@@ -90,6 +92,15 @@ def darts_entry(shape_meta: dict, loss: str, domains: Dict[str, str], package_ve
     the domains (name -> expert) and the package version that wrote it."""
     entry = {**shape_meta, "loss": loss, "domains": dict(domains), "version": package_version}
     entry.update(extra or {})
+    return entry
+
+
+def read_router_entry(model_dir: str) -> Optional[dict]:
+    """The router's settings (``config.darts["router"]``), or None for a directory without a router
+    (every directory written before routing existed)."""
+    entry = read_darts_entry(model_dir).get(ROUTER_NAME)
+    if entry is not None and not isinstance(entry, dict):
+        raise FormatError(f"{model_dir}: config.json darts.{ROUTER_NAME} is not a mapping")
     return entry
 
 

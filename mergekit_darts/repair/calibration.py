@@ -35,7 +35,7 @@ def load_calibration_texts(cal: CalibrationConfig, seed: int, where: str = "cali
     if cal.path is not None:
         records, source, text_only = _read_file(cal, where), repr(cal.path), cal.path.lower().endswith(".txt")
     elif cal.texts is not None:
-        records, source, text_only = [{TEXT_FIELD: t} for t in cal.texts], f"{where}.texts", True
+        records, source, text_only = [{TEXT_FIELD: t} for t in cal.texts], "'texts'", True
     else:
         records, source, text_only = _load_dataset(cal, where), f"dataset {cal.dataset!r}", False
 
@@ -198,7 +198,8 @@ def _check_field(records, field: str, source: str, where: str) -> None:
 
 def _sample_indices(count: int, samples: int, seed, source: str, where: str) -> List[int]:
     if count < samples:
-        LOG.warning("%s: %s has %d records, fewer than samples=%d; using all %d", where, source, count, samples, count)
+        LOG.warning("%s: %s has %d records, fewer than samples=%d; using all %d (set samples: %d to silence this)",
+                    where, source, count, samples, count, count)
         return list(range(count))
     # A private generator: deterministic for a seed, independent of global random state.
     return sorted(random.Random(0 if seed is None else seed).sample(range(count), samples))

@@ -40,6 +40,9 @@ class CapturedDomain:
     # prompt index of each row: rows [0, prompts) are the prompts (greedy-continued), then each
     # sampled continuation round (continue_samples); None = one row per prompt
     groups: Optional[torch.LongTensor] = None
+    # [N] tokens of each row that are its prompt; the rest (up to the mask's end) is the expert's
+    # continuation. From the tokenization, not the cache, so the cache format is unchanged.
+    prompt_lengths: Optional[torch.LongTensor] = None
 
 
 @dataclass
@@ -80,11 +83,15 @@ def capture_domains(
     cache_dir: Optional[str] = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    device_map=None,
+    max_memory: Optional[dict] = None,
 ) -> CaptureResult:
     """Capture merged and expert final hidden states (+ expert entropies) for every domain.
 
     Order: if any domain continues its prompts (``continue_tokens > 0``) the experts go first, since
     the merged model must be captured on the continued ids; otherwise the merged model goes first.
+    ``device_map`` / ``max_memory`` (accelerate's) spread each model over devices, cpu and disk
+    (repair/placement.py); ``device`` then only picks the default dtype and where results are computed.
     """
     from transformers import AutoTokenizer
 
@@ -96,7 +103,8 @@ def capture_domains(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     cache = _Cache(cache_dir)
-    ctx = _Ctx(device, dtype, batch_size, max_positions, trust_remote_code, progress, cache)
+    ctx = _Ctx(device, dtype, batch_size, max_positions, trust_remote_code, progress, cache,
+               device_map=device_map, max_memory=max_memory)
 
     merged_dir = resolve_model_dir(merged_path)
     tokenizer = AutoTokenizer.from_pretrained(merged_dir, trust_remote_code=trust_remote_code)
@@ -134,8 +142,39 @@ def capture_domains(
             truncated=prompts[spec.name].truncated,
             skipped=prompts[spec.name].skipped,
             groups=torch.arange(len(ids)) % len(prompts[spec.name].ids) if spec.continue_samples else None,
+            # one entry per row: a sampled row repeats its prompt's length
+            prompt_lengths=torch.tensor([len(row) for row in prompts[spec.name].ids], dtype=torch.long)
+            .repeat(len(ids) // len(prompts[spec.name].ids)),
         )
     return CaptureResult(domains=domains, merged_head=merged_out["head"])
+
+
+def capture_merged_prompts(
+    merged_path: str, spec: DomainCaptureSpec, max_positions: int, *, dtype="auto", device="auto",
+    batch_size: int = 8, cache_dir: Optional[str] = None, trust_remote_code: bool = False, progress: bool = True,
+) -> CapturedDomain:
+    """The merged model's final states of ``spec.texts`` alone (no expert, no continuation): what the
+    router's out-of-domain measurement (``router_eval``) needs. Expert fields are left empty."""
+    from transformers import AutoTokenizer
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    ctx = _Ctx(device, dtype, batch_size, max_positions, trust_remote_code, progress, _Cache(cache_dir))
+    merged_dir = resolve_model_dir(merged_path)
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir, trust_remote_code=trust_remote_code)
+    ctx.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ctx.hidden_size, ctx.vocab_size = _sizes(merged_dir, trust_remote_code)
+    prompts = _tokenize(tokenizer, spec, max_positions)
+    out = _capture_merged(_ModelSlot(merged_dir, ctx), [spec], {spec.name: prompts.ids}, ctx)
+    input_ids, mask = _pad(prompts.ids, ctx.pad_id)
+    empty = torch.zeros(0)
+    return CapturedDomain(
+        input_ids=input_ids, attention_mask=mask,
+        position_ids=torch.arange(input_ids.shape[1]).expand_as(input_ids).clone(),
+        merged_hidden=out["hidden"][spec.name], expert_hidden=empty, expert_entropy=empty, expert_head=empty,
+        truncated=prompts.truncated, skipped=prompts.skipped,
+        prompt_lengths=torch.tensor([len(row) for row in prompts.ids], dtype=torch.long),
+    )
 
 
 # --- capture passes --------------------------------------------------------------------------

@@ -83,6 +83,10 @@ class CaptureCache:
                     want is not None and want != got for want, got in zip(shape, tensor.shape)
                 ):
                     raise ValueError(f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}")
+            for name, tensor in entry.items():
+                # a NaN/inf entry (bit rot, a diverged earlier capture) would poison training silently
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise ValueError(f"tensor {name!r} holds non-finite values")
             if extra_check is not None:
                 extra_check(entry)
         except Exception as error:
@@ -103,7 +107,11 @@ class CaptureCache:
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp,
                       metadata={"key": key, "capture_version": str(CAPTURE_VERSION)})
             os.replace(tmp, path)
-        except OSError as error:
-            LOG.warning("capture cache: could not write %s (%s); continuing without caching it", path, error)
+        except Exception as error:  # noqa: BLE001 - OSError, safetensors' SafetensorError (disk full), ...
+            LOG.warning("capture cache: could not write %s (%s: %s); continuing from memory without caching it",
+                        path, type(error).__name__, error)
             if tmp and os.path.exists(tmp):
-                os.remove(tmp)
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass

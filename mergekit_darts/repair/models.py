@@ -3,6 +3,7 @@
 Used by the capture; the model's final norm and LM head are found without knowing the architecture.
 """
 
+import contextlib
 import gc
 import logging
 import os
@@ -14,6 +15,7 @@ from tqdm.auto import tqdm
 
 from mergekit_darts.errors import DeviceError, SurgeryConfigError
 from mergekit_darts.repair.losses import token_entropy
+from mergekit_darts.repair.placement import Placement, input_device, read_weight
 
 LOG = logging.getLogger(__name__)
 
@@ -45,6 +47,24 @@ def resolve_dtype(dtype, device) -> torch.dtype:
     return names[dtype]
 
 
+@contextlib.contextmanager
+def quiet_transformers_loading():
+    """transformers at ERROR level around one of our own loads.
+
+    Our loads of a repaired directory without its remote code (the capture wants the plain merge)
+    make transformers print a LOAD REPORT listing every ``darts.*`` tensor as UNEXPECTED: expected
+    and harmless here, but alarming to read. Real errors still raise.
+    """
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
 @dataclass
 class _Ctx:
     device: torch.device
@@ -57,6 +77,8 @@ class _Ctx:
     pad_id: int = 0
     hidden_size: Optional[int] = None  # the merged model's, which every expert must share
     vocab_size: Optional[int] = None
+    device_map: object = None  # None (whole model on ``device``), "auto"/"balanced"/"sequential" or a dict
+    max_memory: Optional[dict] = None  # accelerate's per-device limits, with ``device_map``
 
 
 def resolve_model_dir(path: str) -> str:
@@ -123,19 +145,26 @@ class _ModelSlot:
 
     def __init__(self, model_dir: str, ctx: _Ctx):
         self.model_dir, self.ctx, self.model = model_dir, ctx, None
+        self.placement: Optional[Placement] = None
 
     def get(self):
         if self.model is None:
             from transformers import AutoModelForCausalLM
 
-            LOG.info("capture: loading %s (%s on %s)", self.model_dir, self.ctx.dtype, self.ctx.device)
-            model = AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=self.ctx.dtype, use_safetensors=True,
-                trust_remote_code=self.ctx.trust_remote_code,
-                device_map={"": self.ctx.device} if self.ctx.device.type != "cpu" else None,
-            )
-            if next(model.parameters()).device != self.ctx.device:
+            placement = Placement(self.ctx.device, self.ctx.device_map, self.ctx.max_memory)
+            LOG.info("capture: loading %s (%s on %s)", self.model_dir, self.ctx.dtype,
+                     self.ctx.device_map if placement.sharded else self.ctx.device)
+            self.placement = placement
+            with quiet_transformers_loading():
+                model = AutoModelForCausalLM.from_pretrained(
+                    self.model_dir, dtype=self.ctx.dtype, use_safetensors=True,
+                    trust_remote_code=self.ctx.trust_remote_code,
+                    **placement.load_kwargs(self.model_dir, self.ctx.trust_remote_code),
+                )
+            if not placement.sharded and next(model.parameters()).device != self.ctx.device:
                 model = model.to(self.ctx.device)
+            if placement.sharded:
+                LOG.info("capture: %s placed as %s", self.model_dir, getattr(model, "hf_device_map", None))
             if hasattr(model, "set_darts_domain"):
                 # a directory repaired before, loaded with remote code: capture the plain merge
                 model.set_darts_domain("none")
@@ -143,26 +172,39 @@ class _ModelSlot:
         return self.model
 
     def head(self) -> torch.Tensor:
-        return _lm_head(self.get()).weight.detach().to("cpu", self.ctx.dtype).clone()
+        return _head_weight(_lm_head(self.get())).to("cpu", self.ctx.dtype).clone()
 
     def free(self) -> None:
         if self.model is not None:
             self.model = None
             gc.collect()  # transformers models hold reference cycles; collect before the next load
-            if self.ctx.device.type == "cuda":
+            if self.ctx.device.type == "cuda" or (self.ctx.device_map is not None and torch.cuda.is_available()):
                 torch.cuda.empty_cache()
+        placement = getattr(self, "placement", None)
+        if placement is not None:
+            placement.release()
+            self.placement = None
+
+
+def _head_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The LM head weight as a real tensor, also when accelerate offloaded it (then it is on meta)."""
+    return read_weight(head, "weight")
 
 
 @torch.no_grad()
 def _forward_hidden(model, ids: List[List[int]], ctx: _Ctx, desc: str, with_entropy: bool):
     """Final-norm outputs for ``ids`` in batches: ([N, T, H] capture dtype, [N, T] float32 or None) on cpu."""
     norm, head = _final_norm(model), _lm_head(model)
+    # read once per pass: an offloaded head would otherwise be loaded from disk for every batch
+    head_weight = _head_weight(head) if with_entropy else None
+    head_bias = read_weight(head, "bias") if with_entropy else None
+    device = input_device(model, ctx.device)
     # Run only the decoder when it owns the norm: the LM head's [B, T, V] logits are not needed.
     runner = next((d for d in _decoders(model) if any(m is norm for m in d.modules())), model)
     captured: List[torch.Tensor] = []
     handle = norm.register_forward_hook(lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out))
     longest = max(len(row) for row in ids)
-    hidden = torch.zeros(len(ids), longest, head.weight.shape[1], dtype=ctx.dtype)
+    hidden = torch.zeros(len(ids), longest, ctx.hidden_size or head.weight.shape[1], dtype=ctx.dtype)
     entropy = torch.zeros(len(ids), longest, dtype=torch.float32) if with_entropy else None
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths batch together: less padding
     try:
@@ -171,10 +213,10 @@ def _forward_hidden(model, ids: List[List[int]], ctx: _Ctx, desc: str, with_entr
             input_ids, mask = _pad([ids[i] for i in rows], ctx.pad_id)
             position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
             captured.clear()
-            runner(input_ids=input_ids.to(ctx.device), attention_mask=mask.long().to(ctx.device),
-                   position_ids=position_ids.to(ctx.device), use_cache=False)
+            runner(input_ids=input_ids.to(device), attention_mask=mask.long().to(device),
+                   position_ids=position_ids.to(device), use_cache=False)
             states = captured[-1]
-            batch_entropy = token_entropy(states, head.weight, getattr(head, "bias", None)) if with_entropy else None
+            batch_entropy = token_entropy(states, head_weight, head_bias) if with_entropy else None
             for j, i in enumerate(rows):
                 n = len(ids[i])
                 hidden[i, :n] = states[j, :n].to("cpu", ctx.dtype)
@@ -194,7 +236,8 @@ def _continue(model, prompts: List[List[int]], n: int, ctx: _Ctx, eos_ids: set, 
     ``seed``; the caller's RNG state is left as it was."""
     if temperature is None:
         return _continue_batches(model, prompts, n, ctx, eos_ids, desc, None)
-    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+    # every GPU: a model placed across devices (device_map) samples on the last one
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
         torch.manual_seed(seed)
         return _continue_batches(model, prompts, n, ctx, eos_ids, desc, temperature)
 
@@ -216,8 +259,9 @@ def _continue_batches(model, prompts, n, ctx, eos_ids, desc, temperature: Option
         for j, i in enumerate(rows):
             input_ids[j, longest - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[j, longest - len(prompts[i]):] = 1
+        device = input_device(model, ctx.device)
         generated = model.generate(
-            input_ids=input_ids.to(ctx.device), attention_mask=mask.to(ctx.device),
+            input_ids=input_ids.to(device), attention_mask=mask.to(device),
             max_new_tokens=max(budgets), min_new_tokens=0, do_sample=temperature is not None, num_beams=1,
             # sampling is from the full distribution: no top-k/top-p from the model's generation_config
             temperature=temperature, top_p=None if temperature is None else 1.0,

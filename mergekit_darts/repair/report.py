@@ -1,4 +1,4 @@
-"""Representation-bias report (the paper's Figure 1 and Table 3): L1 bias vs token position.
+"""Representation-bias report (Figure 1 and Table 3 of the DARTS paper, arXiv 2608.28547): L1 bias vs position.
 
 ``bias_by_position`` measures, on held-out calibration records, how far the merged model's final
 hidden states are from the expert's at each token position, before and after surgery, plain and
@@ -98,42 +98,141 @@ def _nan(values: List[Optional[float]]) -> List[float]:
     return [math.nan if v is None else v for v in values]
 
 
-def plot_bias(report: Dict[str, Any], path: str) -> str:
-    """Draw before/after bias vs position, one subplot per domain, to ``path`` (PNG); returns path.
+def variant_label(report: Dict[str, Any]) -> str:
+    """``DARTS + EWL1``-style name of a report's surgery (method + loss)."""
+    settings = report.get("surgery") or {}
+    method = {"darts": "DARTS", "standard": "standard"}.get(settings.get("method"), settings.get("method") or "surgery")
+    loss = str(settings.get("loss") or "").upper()
+    label = f"{method} + {loss}" if loss else method
+    content = settings.get("content")
+    return f"{label}, {content}" if content and content != "relu" else label
 
-    ``report`` is the full ``darts_report.json`` dict ({"surgery": ..., "domains": {name: {"bias": ...}}}).
+
+def _variants(reports: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """One report (``darts_report.json``) or {label: report}: always {label: report}."""
+    if "domains" in reports:
+        return {variant_label(reports): reports}
+    return dict(reports)
+
+
+def _title(name: str, expert: str) -> str:
+    # the expert's folder name only when it says more than the domain name does
+    base = os.path.basename(str(expert or "").rstrip("/"))
+    return name if not base or base == name else f"{name} (expert: {base})"
+
+
+# rows of the figure: (bias key prefix, y label); KL is a third row when any report has it
+_BIAS_ROWS = (("", "mean L1 to expert"), ("_weighted", "entropy-weighted L1 to expert"))
+_BEFORE_COLOR = "0.35"
+_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+
+
+def plot_bias(reports: Dict[str, Any], path: str) -> str:
+    """Draw the held-out representation bias before/after surgery to ``path`` (PNG); returns path.
+
+    ``reports``: one ``darts_report.json`` dict, or {variant label: report} to draw several surgery
+    variants (e.g. DARTS + EWL1 and DARTS + KL) on the same merged model. One column per domain; rows:
+    mean L1 to the expert by token position, the entropy-weighted L1 (each on its own scale, both from
+    0), and the held-out next-token KL to the expert (the number that matters for generation) as
+    bars. The merged model's curve ("before") is drawn once when every variant shares it. The legend
+    sits below the panels, never over data.
     """
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers; must precede pyplot
     import matplotlib.pyplot as plt
 
-    domains = {name: d for name, d in report.get("domains", {}).items() if d.get("bias")}
+    variants = _variants(reports)
+    domains: List[str] = []
+    for report in variants.values():
+        domains += [n for n, d in report.get("domains", {}).items() if d.get("bias") and n not in domains]
     if not domains:
         raise ValueError("report: no domain has a 'bias' section to plot")
-    fig, axes = plt.subplots(1, len(domains), figsize=(4.5 * len(domains), 3.6), squeeze=False)
-    method = report.get("surgery", {}).get("method", "darts")
-    for ax, (name, entry) in zip(axes[0], domains.items()):
-        bias = entry["bias"]
-        x = _centers(bias["bin_edges"])
-        ax.plot(x, _nan(bias["before"]), "o-", color="tab:red", label="merged (before)")
-        ax.plot(x, _nan(bias["after"]), "o-", color="tab:blue", label=f"{method} (after)")
-        ax2 = ax.twinx()  # entropy-weighted values live on a different scale
-        ax2.plot(x, _nan(bias["before_weighted"]), "--", color="tab:red", alpha=0.5, label="before, entropy-weighted")
-        ax2.plot(x, _nan(bias["after_weighted"]), "--", color="tab:blue", alpha=0.5, label="after, entropy-weighted")
-        ax2.set_ylabel("entropy-weighted L1", fontsize=8)
-        ax.set_title(f"{name} (vs {os.path.basename(str(entry.get('expert', '')).rstrip('/')) or 'expert'})", fontsize=9)
-        ax.set_xlabel("token position")
-        ax.set_ylabel("mean L1 to expert")
-        ax.set_ylim(bottom=0)
-        lines = ax.get_legend_handles_labels()
-        lines2 = ax2.get_legend_handles_labels()
-        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper left")
-    fig.suptitle("Representation bias vs position (held-out calibration)", fontsize=10)
-    fig.tight_layout()
+    has_kl = any((r["domains"].get(n) or {}).get("held_out_kl") for r in variants.values() for n in domains)
+    rows = len(_BIAS_ROWS) + (1 if has_kl else 0)
+    fig, axes = plt.subplots(rows, len(domains), figsize=(3.9 * len(domains) + 0.6, 2.5 * rows + 1.0),
+                             squeeze=False)
+    colors = {label: _COLORS[i % len(_COLORS)] for i, label in enumerate(variants)}
+    for col, name in enumerate(domains):
+        entries = {label: r["domains"][name] for label, r in variants.items() if (r["domains"].get(name) or {}).get("bias")}
+        first = next(iter(entries.values()))
+        for row, (suffix, ylabel) in enumerate(_BIAS_ROWS):
+            ax = axes[row][col]
+            befores = [tuple(_nan(e["bias"]["before" + suffix])) for e in entries.values()]
+            shared = all(b == befores[0] for b in befores)  # NaN != NaN: unequal empty bins draw per variant
+            if shared or len(entries) == 1:
+                bias = first["bias"]
+                ax.plot(_centers(bias["bin_edges"]), _nan(bias["before" + suffix]), "o-", ms=3, lw=1.6,
+                        color=_BEFORE_COLOR, label="merged, no surgery (before)")
+            for label, entry in entries.items():
+                x = _centers(entry["bias"]["bin_edges"])
+                if not (shared or len(entries) == 1):
+                    ax.plot(x, _nan(entry["bias"]["before" + suffix]), ":", lw=1.2, color=colors[label],
+                            label=f"merged (before), {label}")
+                ax.plot(x, _nan(entry["bias"]["after" + suffix]), "o-", ms=3, lw=1.6, color=colors[label],
+                        label=f"after {label}")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel(ylabel, fontsize=8)
+            if row == 0:
+                ax.set_title(_title(name, first.get("expert")), fontsize=10)
+            ax.set_xlabel("token position", fontsize=8)
+            ax.tick_params(labelsize=7)
+        if has_kl:
+            _kl_bars(axes[len(_BIAS_ROWS)][col], entries, colors, first_col=col == 0)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes.flat:  # a variant missing from the first domain still gets its entry
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    held_out = all(r["domains"][n].get("bias_split", "held_out") == "held_out"
+                   for r in variants.values() for n in domains if n in r["domains"])
+    fig.suptitle(("Held-out" if held_out else "TRAINING-record (held_out 0 or too few records)")
+                 + " representation bias of the merged model, before and after surgery "
+                 "(lower = closer to the domain's expert)", fontsize=10)
+    per_row = max(2, min(len(labels), int(fig.get_figwidth() / 1.9)))  # ~1.9 inches per legend entry
+    fig.legend(handles, labels, loc="lower center", ncol=per_row, fontsize=8, frameon=False)
+    legend_inches = 0.1 + 0.22 * math.ceil(len(labels) / per_row)
+    fig.tight_layout(rect=(0, legend_inches / fig.get_figheight(), 1, 1 - 0.3 / fig.get_figheight()))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _kl_bars(ax, entries: Dict[str, Dict[str, Any]], colors: Dict[str, str], first_col: bool) -> None:
+    """Held-out KL(expert || model): the plain merge, then each variant after surgery."""
+    from matplotlib.ticker import MaxNLocator
+
+    names, values, bar_colors, notes = [], [], [], []
+    kls = {label: e.get("held_out_kl") or {} for label, e in entries.items()}
+    befores = {kl.get("before") for kl in kls.values() if kl.get("before") is not None}
+    if len(befores) == 1:
+        names.append("merged")
+        values.append(befores.pop())
+        notes.append("")
+        bar_colors.append(_BEFORE_COLOR)
+    for label, kl in kls.items():
+        if kl.get("after") is None:
+            continue
+        names.append(label if len(befores) <= 1 else f"{label}\n(before {kl.get('before'):.3g})")
+        values.append(kl["after"])
+        closed = kl.get("gap_closed")
+        notes.append("" if closed is None else f"  ({100 * closed:.0f}%)")
+        bar_colors.append(colors[label])
+    ax.barh(range(len(values)), values, color=bar_colors, height=0.7)
+    ax.set_yticks(range(len(values)), names, fontsize=7)
+    ax.invert_yaxis()
+    top = max(values) if values else 1.0
+    for i, (value, note) in enumerate(zip(values, notes)):
+        ax.text(value + 0.01 * top, i, f"{value:.3g}{note}", va="center", fontsize=7)
+    ax.set_xlim(0, top * 1.4 if top > 0 else 1.0)
+    ax.xaxis.set_major_locator(MaxNLocator(3))
+    ax.set_xlabel("held-out KL to expert, nats/token\n(%: share of the merge's KL closed)", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_axisbelow(True)
+    ax.grid(axis="x", alpha=0.3)
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -144,26 +243,50 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _sig(value: Optional[float]) -> str:
+    # KL values of a good repair are small: significant digits, not fixed decimals
+    return "-" if value is None else f"{value:.4g}"
+
+
 def summary_table(report: Dict[str, Any]) -> str:
-    """A plain-text table (Table 3 style) of the per-domain bias before/after surgery."""
-    header = ["domain", "train", "held-out", "final loss", "L1 before", "L1 after", "reduction",
-              "EW-L1 before", "EW-L1 after"]
+    """A plain-text table (Table 3 style) per domain: bias before/after surgery, and the KL to the
+    expert's next-token distribution before/after with the share of it closed; "measured on" says
+    whether those are held-out or (held_out: 0, too few records) training records."""
+    header = ["domain", "train", "held-out", "measured on", "final loss", "L1 before", "L1 after", "reduction",
+              "EW-L1 before", "EW-L1 after", "KL before", "KL after", "KL gap closed", "verdict", "train s"]
     rows = [header]
     for name, entry in report.get("domains", {}).items():
         bias = entry.get("bias") or {}
         calib = entry.get("calibration") or {}
+        kl = entry.get("held_out_kl") or {}
         before, after = bias.get("mean_before"), bias.get("mean_after")
         reduction = f"{100 * (1 - after / before):.1f}%" if before and after is not None else "-"
-        rows.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), _fmt(entry.get("final_loss")),
-                     _fmt(before), _fmt(after), reduction, _fmt(bias.get("mean_before_weighted")),
-                     _fmt(bias.get("mean_after_weighted"))])
+        measured = "held-out" if entry.get("bias_split", "held_out") == "held_out" else "TRAINING records"
+        status = (entry.get("verdict") or {}).get("status", "-")
+        closed = kl.get("gap_closed")
+        rows.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), measured,
+                     _fmt(entry.get("final_loss")), _fmt(before), _fmt(after), reduction,
+                     _fmt(bias.get("mean_before_weighted")), _fmt(bias.get("mean_after_weighted")),
+                     _sig(kl.get("before")), _sig(kl.get("after")), "-" if closed is None else f"{100 * closed:.1f}%",
+                     status if status in ("improved", "-") else status.upper(), _fmt(entry.get("train_seconds"), 1)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     settings = report.get("surgery") or {}
     if settings:
         keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")
-        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings))
+        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings)
+                     + (f" (preset {settings['preset']})" if settings.get("preset") else ""))
+        if all(k in settings for k in ("rank", "max_positions")):
+            from mergekit_darts.repair.budget import share_of_7b
+
+            budget = share_of_7b(settings)
+            lines.insert(1, f"per domain on a 7B shape: {100 * budget['share']:.4f}% "
+                            f"({'within' if budget['within_budget'] else 'OVER'} the 0.1% budget): {budget['formula']}")
+    lines += ["", "All on the held-out calibration records; lower is better except 'KL gap closed'.",
+              "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's.",
+              "KL: KL(expert || model) of the next-token distribution (nats/token); gap closed = 1 - after/before.",
+              "train s: wall seconds of the domain's training (lr choice, early stopping and refit included)."]
     return "\n".join(lines)
 
 
@@ -185,3 +308,79 @@ def render_report(out_dir: str, plot: bool = True) -> str:
         plot_bias(report, tmp)
         os.replace(tmp, final)
     return summary_table(report)
+
+
+# ---------------------------------------------------------------------------------------------- verdicts
+
+def _headline(entry: Dict[str, Any], loss: str):
+    """(label, before, after) of the held-out metric the training loss optimises: the KL to the expert
+    for ``kl``, the entropy-weighted L1 bias for the ``ew*`` losses, the plain L1 bias otherwise."""
+    if loss == "kl":
+        kl = entry.get("held_out_kl") or {}
+        return "KL to expert", kl.get("before"), kl.get("after")
+    bias = entry.get("bias") or {}
+    if loss.startswith("ew"):
+        return "entropy-weighted bias", bias.get("mean_before_weighted"), bias.get("mean_after_weighted")
+    return "bias", bias.get("mean_before"), bias.get("mean_after")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def domain_verdict(entry: Dict[str, Any], loss: str) -> Dict[str, Any]:
+    """``{"status": "improved" | "worse" | "non_finite", "metric", "before", "after", "measured_on"}``:
+    whether the correction made the domain's headline metric better than the plain merge."""
+    label, before, after = _headline(entry, loss)
+    verdict = {"metric": label, "before": before, "after": after,
+               "measured_on": "held-out records" if entry.get("bias_split", "held_out") == "held_out"
+               else "training records"}
+    if not (_finite(before) and _finite(after)):
+        verdict["status"] = "non_finite"
+    elif after > before:
+        verdict["status"] = "worse"
+    else:
+        verdict["status"] = "improved"
+    return verdict
+
+
+def choose_default(report: Dict[str, Any], requested: str, allow_worse: bool) -> str:
+    """The domain the output loads with. A requested domain whose verdict is not "improved" becomes
+    "none" (the plain merge) unless ``allow_worse`` (surgery.allow_worse_default); the choice and
+    its reason are recorded in ``report["default_domain"]``."""
+    entry = report.get("domains", {}).get(requested)
+    verdict = (entry or {}).get("verdict") or {}
+    chosen, reason = requested, None
+    if entry is not None and verdict.get("status") != "improved":
+        if verdict.get("status") == "non_finite":
+            chosen, reason = "none", "its metric is not finite"
+        elif allow_worse:
+            reason = "kept although worse than the plain merge (surgery.allow_worse_default: true)"
+        else:
+            chosen, reason = "none", "worse than the plain merge"
+    report["default_domain"] = {"requested": requested, "used": chosen, **({"reason": reason} if reason else {})}
+    return chosen
+
+
+def finite_report(data: Any, path: str = "", found: Optional[List[str]] = None):
+    """``data`` with every NaN/inf float replaced by None, and the JSON paths replaced: the report
+    must stay valid JSON (``write_json`` refuses NaN) and say which values were not finite."""
+    found = [] if found is None else found
+    if isinstance(data, float) and not math.isfinite(data):
+        found.append(path or "$")
+        return None
+    if isinstance(data, dict):
+        return {key: finite_report(value, f"{path}.{key}" if path else str(key), found) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite_report(value, f"{path}[{i}]", found) for i, value in enumerate(data)]
+    return data
+
+
+def sanitized_report(report: Dict[str, Any]) -> Dict[str, Any]:
+    """The report as written to darts_report.json: non-finite numbers -> null, listed under
+    ``"non_finite_values"`` (absent when there were none)."""
+    found: List[str] = []
+    clean = finite_report({k: v for k, v in report.items() if k != "non_finite_values"}, "", found)
+    if found:
+        clean["non_finite_values"] = found
+    return clean

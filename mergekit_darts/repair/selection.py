@@ -80,12 +80,16 @@ def fit(make_module: Callable[[], Any], train: Dict[str, torch.Tensor],
         validation: Optional[Dict[str, torch.Tensor]], *, loss: str, steps: int, lrs: Sequence[float],
         early_stopping: bool, eval_every: int, patience: int, weight_decay: float, batch_size, seed: int,
         expert_head, merged_head, chunk_size: int, progress: bool, desc: str,
-        refit: Optional[Dict[str, torch.Tensor]] = None) -> FitResult:
+        refit: Optional[Dict[str, torch.Tensor]] = None,
+        kl_options: Optional[Dict[str, Any]] = None) -> FitResult:
     """Train one module per lr in ``lrs`` (each from the same seeded initialisation) and keep the one
     with the lowest validation loss; with ``early_stopping`` each run keeps its best validation step.
     Without validation data there is nothing to choose with: one run at ``lrs[0]``, all steps.
     ``refit``: the training and validation records together; when given, the chosen lr and step
-    count are retrained on them from the same initialisation, so selection costs no training data."""
+    count are retrained on them from the same initialisation, so selection costs no training data.
+    ``kl_options``: train_surgery's KL-at-scale keywords (kl_target, kl_top_k, ...) for training; the
+    validation loss stays the exact one, on few records, so candidates are compared on the true loss."""
+    kl_options = dict(kl_options or {})
     if validation is None and (len(lrs) > 1 or early_stopping):
         raise ValueError("lr_candidates / early_stopping need validation records (validation > 0 and "
                          "at least two training prompts)")
@@ -105,6 +109,7 @@ def fit(make_module: Callable[[], Any], train: Dict[str, torch.Tensor],
             entropy=train["entropy"], loss=loss, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
             expert_head=expert_head, merged_head=merged_head, kl_chunk_size=chunk_size,
             progress=progress, desc=f"{desc} lr={lr:g}", weight_decay=weight_decay, on_step=stopper,
+            **kl_options,
         )
         record: Dict[str, Any] = {"lr": lr, "steps_run": len(history)}
         if stopper is not None:
@@ -131,6 +136,7 @@ def fit(make_module: Callable[[], Any], train: Dict[str, torch.Tensor],
             entropy=refit["entropy"], loss=loss, steps=selection["steps"], lr=selection["lr"],
             batch_size=batch_size, seed=seed, expert_head=expert_head, merged_head=merged_head,
             kl_chunk_size=chunk_size, progress=progress, desc=f"{desc} refit", weight_decay=weight_decay,
+            **kl_options,
         )
         selection["refit_records"] = int(refit["merged"].shape[0])
     return FitResult(module=module.eval(), history=history, selection=selection)

@@ -10,6 +10,7 @@ from typing import Callable, List, Optional
 import torch
 from tqdm.auto import tqdm
 
+from mergekit_darts.repair.kl_targets import build_kl_target, kl_to_target, prepare_head
 from mergekit_darts.repair.losses import ENTROPY_WEIGHTED, LOSSES, DEFAULT_CHUNK, surgery_loss
 from mergekit_darts.remote_code.surgery import DomainSurgery
 
@@ -52,12 +53,16 @@ def train_surgery(
     expert_head: Optional[torch.Tensor] = None,
     merged_head: Optional[torch.Tensor] = None,
     kl_chunk_size: int = DEFAULT_CHUNK,
+    kl_target: str = "exact",
+    kl_top_k: int = 256,
+    kl_precision: str = "float32",
+    kl_positions_per_step: Optional[int] = None,
     progress: bool = False,
     desc: str = "surgery",
     weight_decay: float = 0.0,
     on_step: Optional[Callable[[int, DomainSurgery], bool]] = None,
 ) -> List[float]:
-    """Train ``surgery`` in place with Adam(lr, betas 0.9/0.999, no weight decay); per-step losses.
+    """Train ``surgery`` in place with Adam(lr, betas 0.9/0.999; AdamW with ``weight_decay``); per-step losses.
 
     merged / target: [N, T, H] final hidden states of the merged model and of the expert (any float
     dtype; each batch is promoted to float32). mask: [N, T], true at real tokens. position_ids:
@@ -66,6 +71,11 @@ def train_surgery(
     ``weight_decay > 0`` uses AdamW (decoupled decay on every parameter of the correction).
     ``on_step(steps_done, module)`` is called after each step; returning True stops training
     (early stopping, repair/selection.py).
+
+    KL at scale (repair/kl_targets.py): ``kl_target`` "topk"/"bf16" computes the expert's distribution
+    once; ``kl_precision="mixed"`` uses bfloat16 logit matmuls on CUDA; ``kl_positions_per_step`` draws
+    that many valid positions of the batch per step (seeded by ``seed``). The defaults keep the exact
+    float32 loss over every position.
     """
     _check_inputs(surgery, merged, target, mask, position_ids, entropy, loss)
     if steps < 0:
@@ -91,6 +101,20 @@ def train_surgery(
             return None
         return tensor if index is None else tensor[index.to(tensor.device)]
 
+    scaled_kl = loss == "kl" and (kl_target != "exact" or kl_precision != "float32"
+                                  or kl_positions_per_step is not None)
+    if scaled_kl:
+        if expert_head is None or merged_head is None:
+            raise ValueError("loss 'kl' needs expert_head and merged_head (the [V, H] LM head weights)")
+        if kl_positions_per_step is not None and kl_positions_per_step <= 0:
+            raise ValueError(f"kl_positions_per_step: must be positive, got {kl_positions_per_step}")
+        valid = mask.bool()
+        # row_of[i, t]: the target row of valid position (i, t); the target is built once, for all rows
+        row_of = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        row_of[valid] = torch.arange(int(valid.sum()), device=mask.device)
+        target_cache = build_kl_target(kl_target, target[valid].float(), expert_head, top_k=kl_top_k,
+                                       chunk_size=kl_chunk_size, precision=kl_precision)
+        head = prepare_head(merged_head, device, kl_precision)
     order = None
     cursor = 0
     history: List[float] = []
@@ -103,13 +127,23 @@ def train_surgery(
             cursor += batch_size
         h = batch_slice(merged, index).float()
         corrected = surgery(h, batch_slice(position_ids, index))
-        value = surgery_loss(
-            loss, corrected, batch_slice(target, index), batch_slice(mask, index),
-            entropy=batch_slice(entropy, index),
-            expert_head=expert_head, merged_head=merged_head,
-            head_correction=surgery.head_correction if surgery.head_rank > 0 else None,
-            chunk_size=kl_chunk_size,
-        )
+        if scaled_kl:
+            batch_valid = batch_slice(mask, index).bool()
+            rows, states = batch_slice(row_of, index)[batch_valid], corrected[batch_valid]
+            if kl_positions_per_step is not None and kl_positions_per_step < rows.numel():
+                pick = torch.randperm(rows.numel(), generator=generator)[:kl_positions_per_step].to(device)
+                rows, states = rows[pick], states[pick]
+            value = kl_to_target(states, rows.to(device), target_cache, head,
+                                 head_correction=surgery.head_correction if surgery.head_rank > 0 else None,
+                                 chunk_size=kl_chunk_size)
+        else:
+            value = surgery_loss(
+                loss, corrected, batch_slice(target, index), batch_slice(mask, index),
+                entropy=batch_slice(entropy, index),
+                expert_head=expert_head, merged_head=merged_head,
+                head_correction=surgery.head_correction if surgery.head_rank > 0 else None,
+                chunk_size=kl_chunk_size,
+            )
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         optimizer.step()

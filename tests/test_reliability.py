@@ -1,0 +1,203 @@
+"""Nothing is lost on failure, nothing non-finite is exported or made the default, and numbers say
+what they were measured on (issue 14 "Data loss", issue 13 "Output hygiene")."""
+
+import glob
+import hashlib
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from helpers import merge_yaml
+from mergekit_darts.config import SurgeryConfigError
+from mergekit_darts.pipeline import run_surgery, summary_lines
+
+BIN = Path(sys.executable).parent
+TEXTS = ("['how many apples are left if we have 7 and give 2 ?', 'what is 3 plus 4 ?', "
+         "'how many pears are left if we have 9 and give 4 ?', 'what is 8 minus 5 ?', 'total of 2 and 6 is ?', "
+         "'each has 3 apples how many in total ?', 'take 5 from 12 then add 1', 'give 2 pears and take 3 apples']")
+
+
+def _config(paths, tmp_path, weights=(0.5, 0.5), **settings):
+    base = dict(rank=4, max_positions=32, steps=20, lr=0.01, cache_dir=str(tmp_path / "cache"), held_out=0.25,
+                device="cpu", dtype="float32")
+    base.update(settings)
+    merge = merge_yaml(paths).replace("weight: 0.5}", f"weight: {weights[0]}}}", 1)
+    merge = merge.replace("weight: 0.5}", f"weight: {weights[1]}}}", 1)
+    lines = ["surgery:"] + [f"  {k}: {v}" for k, v in base.items()] + [
+        "  domains:", "    math:", f"      model: {paths['math']}", f"      calibration: {{texts: {TEXTS}}}"]
+    return merge + "\n".join(lines) + "\n"
+
+
+def _digest(directory) -> dict:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+
+
+def _is_plain_merge(directory) -> bool:
+    config = json.loads((Path(directory) / "config.json").read_text())
+    names = set(os.listdir(directory))
+    return ("darts" not in config and config["architectures"] == ["LlamaForCausalLM"]
+            and "model.safetensors" in names and not names & {"darts.safetensors", "modeling_darts.py",
+                                                              "darts_report.json", "model.safetensors.index.json"})
+
+
+# ------------------------------------------------------------------------------------------ data loss
+
+def test_failed_rerun_of_mergekit_yaml_leaves_the_repaired_model_as_it_was(tiny_family, merged_copy, tmp_path):
+    """The issue's case: a *different* merge re-run into a repaired directory fails after merging."""
+    run_surgery(_config(tiny_family, tmp_path), merged_copy, progress=False)
+    before = _digest(merged_copy)
+    assert "darts.safetensors" in before
+    cfg = tmp_path / "rerun.yml"
+    cfg.write_text(_config(tiny_family, tmp_path, weights=(0.3, 0.7), lr="1.0e30"))  # diverges in training
+    env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_DARTS_DISABLE"}
+    result = subprocess.run([str(BIN / "mergekit-yaml"), str(cfg), merged_copy], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600, env={**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "surgery.domains.math: training diverged" in errors[0], result.stderr[-2000:]
+    assert _digest(merged_copy) == before, "the repaired directory was modified by a failed run"
+    kept = glob.glob(merged_copy + ".plain-merge-*")
+    assert len(kept) == 1 and _is_plain_merge(kept[0]), kept  # the new merge is not thrown away
+    assert kept[0] in result.stderr
+    assert not glob.glob(os.path.join(os.path.dirname(merged_copy), ".darts-staging-*"))
+
+
+def test_failed_surgery_into_a_new_directory_leaves_a_plain_merge(tiny_family, tmp_path):
+    from mergekit_darts.hook import original_run_merge
+    from mergekit_darts.pipeline import merge_and_repair
+
+    out = tmp_path / "new-out"
+    with pytest.raises(SurgeryConfigError, match="training diverged"):
+        merge_and_repair(_config(tiny_family, tmp_path, lr="1.0e30"), str(out), original_run_merge())
+    assert _is_plain_merge(out)
+    readme = (out / "README.md").read_text()
+    assert ".darts-staging" not in readme  # mergekit names the card after the directory: the final name
+    assert not glob.glob(str(tmp_path / ".darts-staging-*"))
+
+
+def test_successful_rerun_replaces_the_directory_as_a_whole(tiny_family, merged_copy, tmp_path):
+    from mergekit_darts.hook import original_run_merge
+    from mergekit_darts.pipeline import merge_and_repair
+
+    run_surgery(_config(tiny_family, tmp_path), merged_copy, progress=False)
+    (Path(merged_copy) / "stale-file.txt").write_text("from the old run")
+    report = merge_and_repair(_config(tiny_family, tmp_path, weights=(0.3, 0.7)), merged_copy, original_run_merge())
+    names = set(os.listdir(merged_copy))
+    assert "stale-file.txt" not in names and {"darts.safetensors", "config.json"} <= names
+    assert report["domains"]["math"]["verdict"]["status"] in ("improved", "worse")
+    assert not glob.glob(os.path.join(os.path.dirname(merged_copy), ".darts-staging-*"))
+
+
+def test_cache_write_failure_is_a_warning_and_leaves_no_temp_file(tiny_family, merged_copy, tmp_path, monkeypatch, caplog):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")  # what a full disk leaves behind
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.capture_cache"):
+        report = run_surgery(_config(tiny_family, tmp_path), merged_copy, progress=False)
+    assert report["domains"]["math"]["bias"]["mean_after"] is not None
+    assert any("could not write" in r.getMessage() and "SafetensorError" in r.getMessage() for r in caplog.records)
+    cache = tmp_path / "cache"
+    assert not list(cache.glob(".tmp-*")) and not list(cache.glob("*.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------ non-finite
+
+def test_nan_cache_entry_is_recomputed_not_trained_on(tiny_family, merged_copy, tmp_path, caplog):
+    first = run_surgery(_config(tiny_family, tmp_path), merged_copy, progress=False)
+    entries = sorted((tmp_path / "cache").glob("expert.math.*.safetensors"))
+    assert entries
+    with safe_open(str(entries[0]), "pt") as handle:
+        metadata = handle.metadata()
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    name = next(n for n, t in tensors.items() if t.is_floating_point() and t.dim() == 3)
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(entries[0]), metadata=metadata)
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.capture_cache"):
+        second = run_surgery(_config(tiny_family, tmp_path), merged_copy, progress=False)
+    assert any("non-finite" in r.getMessage() for r in caplog.records)
+    assert second["domains"]["math"]["bias"] == first["domains"]["math"]["bias"]
+
+
+def test_diverged_training_is_an_error_and_exports_nothing(tiny_family, merged_copy, tmp_path):
+    before = _digest(merged_copy)
+    with pytest.raises(SurgeryConfigError, match=r"surgery.domains.math: training diverged.*surgery.lr"):
+        run_surgery(_config(tiny_family, tmp_path, lr="1.0e30"), merged_copy, progress=False)
+    assert _digest(merged_copy) == before
+
+
+def test_report_with_nan_is_valid_json_with_nulls_and_a_flag(tiny_family, merged_copy, tmp_path):
+    from mergekit_darts.output.export import export_surgery
+    from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
+    from mergekit_darts.repair.report import sanitized_report
+
+    report = {"domains": {"math": {"final_loss": float("nan"), "bias": {"after": [1.0, float("inf")]}}}}
+    clean = sanitized_report(report)
+    assert clean["domains"]["math"]["final_loss"] is None and clean["domains"]["math"]["bias"]["after"] == [1.0, None]
+    assert clean["non_finite_values"] == ["domains.math.final_loss", "domains.math.bias.after[1]"]
+    config = json.loads((Path(merged_copy) / "config.json").read_text())
+    module = DomainSurgery.from_shape(SurgeryShape(method="darts", rank=2, head_rank=0, max_positions=8, content="relu"),
+                                      hidden_size=config["hidden_size"], vocab_size=config["vocab_size"])
+    export_surgery(merged_copy, {"math": module}, {"math": tiny_family["math"]}, "math", loss="l1", report=report)
+
+    def refuse(constant):
+        raise ValueError(f"invalid JSON constant {constant}")
+
+    written = json.loads((Path(merged_copy) / "darts_report.json").read_text(), parse_constant=refuse)
+    assert written["non_finite_values"] == clean["non_finite_values"]
+
+
+# ------------------------------------------------------------------------------------------ defaults
+
+def test_worse_domain_is_not_made_the_default_unless_forced(tiny_family, merged_copy, tmp_path, caplog):
+    worse = dict(lr=3.0, loss="l1", content="linear", default_domain="math")  # overshoots: seeded, always worse
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts.pipeline"):
+        report = run_surgery(_config(tiny_family, tmp_path, **worse), merged_copy, progress=False)
+    assert report["domains"]["math"]["verdict"]["status"] == "worse"
+    config = json.loads((Path(merged_copy) / "config.json").read_text())
+    assert config["darts_domain"] == "none"
+    assert report["default_domain"] == {"requested": "math", "used": "none", "reason": "worse than the plain merge"}
+    assert any("WORSE" in r.getMessage() for r in caplog.records)
+    assert any("WARNING: worse" in line for line in summary_lines(report))
+    card = (Path(merged_copy) / "README.md").read_text()
+    assert "**worse than the plain merge**" in card and "requested `math`" in card
+
+    forced = run_surgery(_config(tiny_family, tmp_path, allow_worse_default="true", **worse), merged_copy,
+                         progress=False)
+    assert json.loads((Path(merged_copy) / "config.json").read_text())["darts_domain"] == "math"
+    assert forced["default_domain"]["used"] == "math" and "allow_worse_default" in forced["default_domain"]["reason"]
+
+
+def test_improved_domain_stays_the_default(tiny_family, merged_copy, tmp_path):
+    report = run_surgery(_config(tiny_family, tmp_path, steps=60), merged_copy, progress=False)
+    assert report["domains"]["math"]["verdict"]["status"] == "improved"
+    assert json.loads((Path(merged_copy) / "config.json").read_text())["darts_domain"] == "math"
+
+
+def test_without_held_out_records_numbers_say_training_records(tiny_family, merged_copy, tmp_path):
+    from mergekit_darts.repair.report import render_report
+
+    report = run_surgery(_config(tiny_family, tmp_path, held_out=0), merged_copy, progress=False)
+    entry = report["domains"]["math"]
+    assert entry["calibration"]["held_out"] == 0 and entry["verdict"]["measured_on"] == "training records"
+    lines = summary_lines(report)
+    assert "training-records bias" in lines[0] and "held-out" not in lines[0]
+    card = (Path(merged_copy) / "README.md").read_text()
+    assert "**training records**" in card
+    table = render_report(merged_copy, plot=False)
+    assert "TRAINING records" in table
+    assert not math.isnan(entry["bias"]["mean_after"])

@@ -1,0 +1,155 @@
+"""The .pth start-up hook and the command line's start-up: cheap, disable-able, and never able to
+break plain mergekit (issue 13 "Start-up cost", issue 14 "import error ... must never break mergekit").
+
+Every case is a real subprocess; the hook line is this checkout's hooks/mergekit_darts_hook.pth,
+processed by ``site.addsitedir`` exactly as ``site`` processes an installed one.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import merge_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+HOOK = REPO / "hooks" / "mergekit_darts_hook.pth"
+HEAVY = ("torch", "transformers", "mergekit", "pydantic", "yaml", "numpy", "click.testing")
+
+
+def _env(pythonpath=None, **extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MERGEKIT_DARTS_DISABLE")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _site_with_hook(tmp_path) -> Path:
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    shutil.copyfile(HOOK, site_dir / HOOK.name)
+    return site_dir
+
+
+def _python_with_site(site_dir, code, pythonpath=None, **env):
+    """``python -S``: no installed .pth runs; then ``site_dir``'s .pth files as site would run them.
+    Runs in ``site_dir`` so that the current directory does not make the checkout importable."""
+    script = f"import site; site.addsitedir({str(site_dir)!r}); " + code
+    return subprocess.run([sys.executable, "-S", "-c", script], env=_env(pythonpath, **env), cwd=site_dir,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _with_dependencies(path) -> str:
+    """``path`` plus this environment's site-packages as a plain path entry (its .pth files unprocessed)."""
+    import sysconfig
+
+    return os.pathsep.join([str(path), sysconfig.get_path("purelib")])
+
+
+FINDER = "any(type(f).__name__ == '_MergekitFinder' for f in sys.meta_path)"
+
+
+def test_hook_line_installs_the_finder_and_imports_nothing_heavy(tmp_path):
+    site_dir = _site_with_hook(tmp_path)
+    code = f"import sys, json; print(json.dumps([{FINDER}, [m for m in {HEAVY!r} if m in sys.modules]]))"
+    result = _python_with_site(site_dir, code, pythonpath=REPO)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert json.loads(result.stdout) == [True, []]
+
+
+def test_disabled_hook_imports_nothing_at_all(tmp_path):
+    site_dir = _site_with_hook(tmp_path)
+    code = ("import sys, json; print(json.dumps([" + FINDER + ", "
+            "sorted(m for m in sys.modules if m.startswith('mergekit')), 'importlib.abc' in sys.modules]))")
+    result = _python_with_site(site_dir, code, pythonpath=REPO, MERGEKIT_DARTS_DISABLE="1")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert json.loads(result.stdout) == [False, [], False]
+
+
+def test_hook_does_not_import_importlib_abc(tmp_path):
+    """``importlib.abc`` was ~45 ms of every Python process's start-up (the issue's measurement)."""
+    site_dir = _site_with_hook(tmp_path)
+    result = _python_with_site(site_dir, f"import sys; print({FINDER}, 'importlib.abc' in sys.modules)",
+                               pythonpath=REPO)
+    assert result.stdout.split() == ["True", "False"], result.stderr
+
+
+def test_missing_package_is_silent(tmp_path):
+    """A leftover hook file without the package (e.g. ``python -I`` hides the checkout): no noise."""
+    site_dir = _site_with_hook(tmp_path)
+    result = _python_with_site(site_dir, "import sys; print('ok', 'mergekit_darts' in sys.modules)",
+                               pythonpath=tmp_path / "empty")
+    assert result.returncode == 0 and result.stdout.split() == ["ok", "False"]
+    assert result.stderr == ""
+
+
+def test_broken_package_prints_one_line_not_a_traceback(tmp_path):
+    site_dir = _site_with_hook(tmp_path)
+    broken = tmp_path / "broken" / "mergekit_darts"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise RuntimeError('simulated broken install')\n")
+    result = _python_with_site(site_dir, "print('ok')", pythonpath=broken.parent)
+    assert result.returncode == 0 and result.stdout.strip() == "ok"
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "simulated broken install" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and "Error processing line" not in result.stderr
+
+
+def test_isolated_mode_prints_nothing():
+    """``python -I`` in this environment (its installed hook file): no output at all."""
+    result = subprocess.run([sys.executable, "-I", "-c", "pass"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == ""
+
+
+BROKEN_HOOK = "import sys; sys.modules['mergekit_darts.hook'] = None  # any import error inside the package\n"
+
+
+def test_import_error_in_the_package_leaves_mergekit_merge_importable(tmp_path):
+    site_dir = _site_with_hook(tmp_path)
+    code = BROKEN_HOOK + ("import mergekit.merge as m; "
+                          "print(callable(m.run_merge), hasattr(m.run_merge, '__mergekit_darts_original__'))")
+    result = _python_with_site(site_dir, code.replace("  # any import error inside the package\n", "; "),
+                               pythonpath=_with_dependencies(REPO))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "False"]
+    warnings = [line for line in result.stderr.splitlines() if "mergekit-darts" in line]
+    assert len(warnings) == 1 and "without surgery support" in warnings[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_import_error_in_the_package_still_runs_plain_mergekit_yaml(tiny_family, tmp_path):
+    """``mergekit-yaml`` (its real entry point) merges a plain config although the hook cannot load."""
+    cfg = tmp_path / "plain.yml"
+    cfg.write_text(merge_yaml(tiny_family))
+    out = tmp_path / "out"
+    code = BROKEN_HOOK + ("import sys; from mergekit.scripts.run_yaml import main; "
+                          f"sys.argv = ['mergekit-yaml', {str(cfg)!r}, {str(out)!r}]; main()")
+    result = subprocess.run([sys.executable, "-c", code], env=_env(REPO), capture_output=True, text=True,
+                            timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert sum("without surgery support" in line for line in result.stderr.splitlines()) == 1
+
+
+def test_help_and_version_import_neither_torch_nor_mergekit():
+    code = (
+        "import sys, json\n"
+        "from mergekit_darts.cli import main\n"
+        "seen = {}\n"
+        "for flag in ('--help', '--version'):\n"
+        "    try:\n"
+        "        main([flag], standalone_mode=True)\n"
+        "    except SystemExit as done:\n"
+        "        assert done.code in (0, None), done.code\n"
+        "    seen[flag] = sorted(m for m in ('torch', 'transformers', 'mergekit', 'pydantic', 'numpy') if m in sys.modules)\n"
+        "print(json.dumps(seen))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=_env(REPO, MERGEKIT_DARTS_DISABLE="1"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert json.loads(last) == {"--help": [], "--version": []}
+    assert "mergekit-darts, version" in result.stdout and "Commands:" in result.stdout

@@ -1,0 +1,275 @@
+"""What a new user meets: eval on small-context models, the documented example commands, warnings
+printed once and readably, compare's wording, the report's KL, the bias figure, benchmark outputs."""
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from mergekit_darts.evaluation.harness import EvaluationError, evaluate, generation_length
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [os.path.join(REPO, "README.md"), os.path.join(REPO, "docs", "ux_readme_notes.md")]
+# The offline example's evaluation commands exactly as documented (docs/ux_readme_notes.md, then the
+# README): they must run as printed from the repository root on the tiny example's output.
+DOCUMENTED_EVAL = [
+    "mergekit-darts eval tiny_out --domain math --trust-remote-code --tasks gsm8k_darts "
+    "--data examples/data/gsm8k_example.jsonl --compare-none --limit 2",
+    "mergekit-darts eval tiny_out --domain code --trust-remote-code --tasks humaneval_darts --allow-code-execution --limit 2",
+    "mergekit-darts eval tiny_out --domain math --trust-remote-code --tasks alpaca_darts "
+    "--data examples/data/alpaca_example.jsonl --output-dir gen --limit 2",
+]
+
+
+def _cli(args, **kwargs):
+    from mergekit_darts.cli import main
+
+    return CliRunner().invoke(main, args, catch_exceptions=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def darts_dir(tiny_family, tmp_path_factory):
+    """The tiny family's merge with a math and a code surgery (context 256, like the offline example)."""
+    from helpers import merge_yaml
+
+    from mergekit_darts.pipeline import run_surgery
+
+    root = tmp_path_factory.mktemp("ux")
+    out = root / "tiny_out"
+    shutil.copytree(tiny_family["merged"], out)
+    cfg = merge_yaml(tiny_family) + (
+        "surgery:\n  rank: 2\n  max_positions: 16\n  steps: 2\n  device: cpu\n  dtype: float32\n"
+        f"  cache_dir: {root / 'cache'}\n  domains:\n"
+        f"    math:\n      model: {tiny_family['math']}\n"
+        "      calibration: {texts: ['what is 1 plus 2 ?', 'how many apples are left', 'add 3 and 4'], samples: 3}\n"
+        f"    code:\n      model: {tiny_family['code']}\n"
+        "      calibration: {texts: ['def sum list', 'write code to reverse a list', 'print the sum'], samples: 3}\n"
+    )
+    run_surgery(cfg, str(out))
+    return str(out)
+
+
+# --- 1. eval on a model whose context is shorter than the tasks' generation length -----------
+
+def test_eval_clips_generation_to_a_small_context_through_lm_eval(tmp_path, caplog):
+    from mergekit_darts.tiny import make_random_model
+
+    model_dir = str(tmp_path / "ctx128")
+    make_random_model(model_dir, seed=0, max_position_embeddings=128)
+    with pytest.raises(EvaluationError, match=r"--max-gen-toks 512: .* context of 128 tokens.*--max-gen-toks 64"):
+        generation_length(model_dir, ["gsm8k_darts"], 512)
+    assert generation_length(model_dir, ["gsm8k_darts"], 20) == 20
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts.evaluation.harness"):
+        assert generation_length(model_dir, ["gsm8k_darts"], None) == 64
+    assert "context of 128 tokens" in caplog.text and "512" in caplog.text
+    # the real lm-eval run that used to fail with "requested max tokens to generate (512) must be less ..."
+    data = os.path.join(REPO, "examples", "data", "gsm8k_example.jsonl")
+    out = evaluate(model_dir, "none", ["gsm8k_darts"], data=data, limit=1, device="cpu")
+    assert 0.0 <= out["tasks"]["gsm8k_darts"]["exact_match,strict-match"] <= 1.0
+    result = _cli(["eval", model_dir, "--domain", "none", "--data", data, "--limit", "1", "--device", "cpu",
+                   "--max-gen-toks", "128"])
+    assert result.exit_code == 2
+    assert "--max-gen-toks 128" in result.output and "context of 128 tokens" in result.output
+    assert "Traceback" not in result.output
+
+
+# --- 2. the example data files and the documented commands -----------------------------------
+
+def test_example_data_files_are_in_the_tasks_formats():
+    with open(os.path.join(REPO, "examples", "data", "gsm8k_example.jsonl")) as handle:
+        gsm = [json.loads(line) for line in handle]
+    assert len(gsm) >= 10 and all(r["question"] and "\n#### " in r["answer"] for r in gsm)
+    with open(os.path.join(REPO, "examples", "data", "alpaca_example.jsonl")) as handle:
+        alpaca = [json.loads(line) for line in handle]
+    assert len(alpaca) >= 10 and all(r["instruction"] for r in alpaca)
+    assert any("output" in r for r in alpaca) and any("output" not in r for r in alpaca)
+
+
+def test_documented_eval_commands_run_as_printed(darts_dir, tmp_path, monkeypatch):
+    documented = "\n".join(open(p).read() for p in DOCS if os.path.exists(p))
+    monkeypatch.chdir(REPO)  # the commands use paths relative to the repository root
+    for command in DOCUMENTED_EVAL:
+        assert command in documented.replace("\\\n", ""), f"not documented as tested: {command}"
+        args = shlex.split(command)[1:]
+        args = [darts_dir if a == "tiny_out" else str(tmp_path / "gen") if a == "gen" else a for a in args]
+        result = _cli(args + ["--device", "cpu"])
+        assert result.exit_code == 0, result.output
+        assert "generating at most 128 new tokens" in result.output  # context 256: clipped, said once
+        assert result.output.count("generating at most") == 1
+        table = [line for line in result.output.splitlines() if line.startswith("task")]
+        assert table, result.output
+    exported = json.loads((tmp_path / "gen" / "alpaca_outputs.math.json").read_text())
+    assert [r["instruction"] for r in exported][:1] == ["Reverse the order of the words: red green blue"]
+
+
+# --- 5. warnings: readable, and once per run ------------------------------------------------
+
+def test_calibration_warning_is_readable_and_printed_once_per_command(tmp_path):
+    import io
+
+    from mergekit_darts.config import CalibrationConfig
+    from mergekit_darts.console import user_logging
+    from mergekit_darts.repair.calibration import load_calibration_texts
+
+    cal = CalibrationConfig(texts=["a b", "c d", "e f"], samples=50)
+    stream = io.StringIO()
+    with user_logging(stream):
+        for seed in range(5):  # what compare does: the same calibration for every seed and group
+            assert len(load_calibration_texts(cal, seed, where="surgery.domains.code.calibration")) == 3
+    lines = stream.getvalue().splitlines()
+    assert lines == ["mergekit-darts: warning: surgery.domains.code.calibration: 'texts' has 3 records, fewer "
+                     "than samples=50; using all 3 (set samples: 3 to silence this)"]
+    logger = logging.getLogger("mergekit_darts")
+    assert logger.propagate and not logger.handlers  # restored after the command
+
+
+def test_the_offline_example_does_not_warn_about_itself():
+    import yaml
+
+    from mergekit_darts.config import SurgeryConfig
+
+    with open(os.path.join(REPO, "examples", "tiny_offline.yml")) as handle:
+        surgery = SurgeryConfig.model_validate(yaml.safe_load(handle)["surgery"])
+    for name, domain in surgery.domains.items():
+        cal = domain.calibration
+        count = len(cal.texts) if cal.texts is not None else sum(1 for _ in open(os.path.join(REPO, cal.path)))
+        assert cal.samples <= count, f"{name}: samples={cal.samples} > {count} records"
+
+
+# --- 7. compare's wording and our own loads --------------------------------------------------
+
+def test_compare_table_labels_directions_and_explains_small_samples():
+    from mergekit_darts.evaluation.compare import compare_table, smallest_p, summarize_groups
+
+    stats = {
+        "math/heldout_l1": {**summarize_groups({"standard+l1": [0.4, 0.5], "darts+ewl1": [0.2, 0.3]}), "better": "lower"},
+        "math/demo_accuracy": summarize_groups({"standard+l1": [3, 4, 5, 6], "darts+ewl1": [1, 2, 2, 1]}),
+    }
+    table = compare_table({"stats": stats})
+    assert "math/heldout_l1 (lower is better)" in table and "math/demo_accuracy (higher is better)" in table
+    assert "darts+ewl1 better on mean" in table.split("math/demo_accuracy")[0]
+    assert "standard+l1 better on mean" in table.split("math/demo_accuracy")[1]
+    assert "Shapiro: n=2, needs 3" in table and "Shapiro W=-" not in table
+    assert "smallest two-sided Mann-Whitney p possible is 0.33" in table
+    assert smallest_p(2, 2) == pytest.approx(1 / 3) and smallest_p(4, 4) == pytest.approx(2 / 70)
+
+
+def test_capture_of_a_repaired_directory_prints_no_load_report(darts_dir, caplog):
+    """Loading a repaired directory as the plain merge (what the capture does) lists its darts.*
+    tensors as UNEXPECTED in transformers' load report; our own loads keep that quiet."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from mergekit_darts.repair.models import _Ctx, _ModelSlot
+
+    ctx = _Ctx(device=torch.device("cpu"), dtype=torch.float32, batch_size=1, max_positions=8,
+               trust_remote_code=False, progress=False, cache=None)
+    hf_logging.enable_propagation()  # let caplog see transformers' records
+    try:
+        with caplog.at_level(logging.WARNING):
+            _ModelSlot(darts_dir, ctx).get()
+            assert "LOAD REPORT" not in caplog.text and "UNEXPECTED" not in caplog.text
+            assert hf_logging.get_verbosity() != hf_logging.ERROR  # restored afterwards
+            AutoModelForCausalLM.from_pretrained(darts_dir)  # a plain load does report them
+            assert "LOAD REPORT" in caplog.text and "darts.math.up.weight" in caplog.text
+    finally:
+        hf_logging.disable_propagation()
+
+
+# --- 10/11. report: held-out KL in the table; the figure with several variants -----------------
+
+def _report(tmp_path, loss, after_scale):
+    import torch
+
+    from mergekit_darts.repair.report import bias_by_position
+
+    g = torch.Generator().manual_seed(0)
+    merged, expert = torch.randn(3, 12, 4, generator=g), torch.randn(3, 12, 4, generator=g)
+    corrected = expert + after_scale * torch.randn(3, 12, 4, generator=g)
+    ones = torch.ones(3, 12, dtype=torch.long)
+    bias = bias_by_position(merged, expert, ones, (ones.cumsum(-1) - 1), torch.rand(3, 12, generator=g) + 0.1,
+                            corrected, bins=6)
+    return {"surgery": {"method": "darts", "loss": loss, "rank": 2, "max_positions": 16, "steps": 3, "seed": 0},
+            "domains": {d: {"expert": f"/models/{d}", "calibration": {"train": 8, "held_out": 2}, "final_loss": 0.1,
+                            "bias": bias, "held_out_kl": {"before": 0.5, "after": 0.5 * after_scale,
+                                                          "gap_closed": 1 - after_scale}}
+                        for d in ("math", "code")}}
+
+
+def test_report_table_includes_held_out_kl(tmp_path):
+    from mergekit_darts.repair.report import summary_table
+
+    table = summary_table(_report(tmp_path, "kl", 0.25))
+    header = next(line for line in table.splitlines() if line.startswith("domain"))
+    assert "KL before" in header and "KL after" in header and "KL gap closed" in header
+    math_row = next(line for line in table.splitlines() if line.startswith("math"))
+    assert math_row.split()[-4:] == ["0.5", "0.125", "75.0%", "-"]  # the last column is the verdict
+
+
+def test_bias_figure_draws_several_variants_without_a_legend_over_data(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mergekit_darts.repair.report import plot_bias, variant_label
+
+    reports = {variant_label(r): r for r in (_report(tmp_path, "ewl1", 0.5), _report(tmp_path, "kl", 0.2))}
+    assert list(reports) == ["DARTS + EWL1", "DARTS + KL"]
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))  # keep the figure to inspect it
+    path = plot_bias(reports, str(tmp_path / "bias.png"))
+    assert open(path, "rb").read(4) == b"\x89PNG"
+    fig = figures[0]
+    axes = fig.axes
+    assert len(axes) == 6  # 3 rows (L1, entropy-weighted L1, KL) x 2 domains; no twin axes
+    assert [ax.get_title() for ax in axes[:2]] == ["math", "code"]  # no "math (vs math)"
+    assert all(ax.get_legend() is None for ax in axes) and len(fig.legends) == 1
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["merged, no surgery (before)", "after DARTS + EWL1", "after DARTS + KL"]
+    bars = [t.get_text() for t in axes[4].get_yticklabels()]
+    assert bars == ["merged", "DARTS + EWL1", "DARTS + KL"]
+    # the legend sits below every panel
+    legend_top = fig.legends[0].get_window_extent().y1
+    assert all(ax.get_window_extent().y0 > legend_top for ax in axes)
+    # a single report (what every surgery writes) still works
+    plot_bias(reports["DARTS + KL"], str(tmp_path / "one.png"))
+
+
+# --- 6. benchmarks never replace the committed results unless asked ---------------------------
+
+def test_benchmark_results_go_to_a_new_file_unless_overwrite(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import _common
+
+    monkeypatch.setattr(_common, "RESULTS_DIR", str(tmp_path))
+    first = _common.write_json("bench_x", {"run": 1})
+    second = _common.write_json("bench_x", {"run": 2})
+    assert first == str(tmp_path / "bench_x.json") and second != first
+    assert json.loads(open(first).read()) == {"run": 1} and json.loads(open(second).read()) == {"run": 2}
+    _common.write_json("bench_x", {"run": 3}, overwrite=True)
+    assert json.loads(open(first).read()) == {"run": 3}
+    import subprocess
+
+    ignored = subprocess.run(["git", "check-ignore", os.path.relpath(second, tmp_path)], cwd=REPO,
+                             capture_output=True, text=True)
+    rel = os.path.join("benchmarks", "results", os.path.basename(second))
+    assert subprocess.run(["git", "check-ignore", "-q", rel], cwd=REPO).returncode == 0, ignored
+
+
+def test_license_files_and_paper_citation():
+    with open(os.path.join(REPO, "LICENSE")) as handle:
+        text = handle.read()
+    assert "GNU LESSER GENERAL PUBLIC LICENSE" in text and "Version 3, 29 June 2007" in text
+    with open(os.path.join(REPO, "COPYING")) as handle:
+        assert "GNU GENERAL PUBLIC LICENSE" in handle.read()
+    from mergekit_darts.output.card import card_section
+
+    meta = {"method": "darts", "rank": 2, "max_positions": 8, "head_rank": 0, "loss": "ewl1", "domains": {"math": "m"}}
+    assert "arxiv.org/abs/2608.28547" in card_section("LlamaForCausalLM", meta, "math", None, 10, 1000)
