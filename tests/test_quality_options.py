@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from mergekit_darts.config import SurgeryConfigError, parse_surgery_block, preset_settings
+from mergekit_darts.config import (PRESET_CALIBRATION, PRESETS, SurgeryConfigError, parse_surgery_block,
+                                   preset_settings)
 from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
 from mergekit_darts.repair.capture import DomainCaptureSpec, capture_domains
 from mergekit_darts.repair.selection import fit, validation_loss
@@ -153,12 +154,56 @@ BLOCK = {"domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}}
 
 def test_preset_expands_and_explicit_keys_win():
     best = parse_surgery_block({**BLOCK, "preset": "best"})
-    assert best.loss == "kl" and preset_settings(best)["loss"] == "kl"
-    explicit = parse_surgery_block({**BLOCK, "preset": "best", "loss": "l1", "steps": 7})
-    assert explicit.loss == "l1" and explicit.steps == 7 and preset_settings(explicit)["loss"] == "l1"
+    assert (best.loss, best.head_rank) == ("kl", 16) and preset_settings(best)["loss"] == "kl"
+    explicit = parse_surgery_block({**BLOCK, "preset": "best", "loss": "l1", "steps": 7, "head_rank": 0})
+    assert (explicit.loss, explicit.steps, explicit.head_rank) == ("l1", 7, 0)
+    assert preset_settings(explicit)["loss"] == "l1" and preset_settings(explicit)["head_rank"] == 0
     paper = parse_surgery_block({**BLOCK, "preset": "paper"})
     assert (paper.method, paper.loss, paper.head_rank) == ("darts", "ewl1", 0)
     assert preset_settings(parse_surgery_block(BLOCK)) is None
+
+
+def test_no_preset_keeps_the_paper_defaults():
+    plain = parse_surgery_block(BLOCK)
+    assert (plain.method, plain.loss, plain.content, plain.head_rank, plain.steps, plain.lr) == (
+        "darts", "ewl1", "relu", 0, 500, 1e-3)
+    assert (plain.weight_decay, plain.early_stopping, plain.lr_candidates) == (0.0, False, None)
+    assert plain.domains["math"].calibration.continue_samples == 0
+
+
+def test_best_preset_samples_only_where_the_calibration_continues():
+    domains = {"math": {"model": "m", "calibration": {"texts": ["a"], "continue_tokens": 8}},
+               "code": {"model": "c", "calibration": {"texts": ["b"]}},
+               "chat": {"model": "i", "calibration": {"texts": ["c"], "continue_tokens": 8, "continue_samples": 0}}}
+    best = parse_surgery_block({"preset": "best", "domains": domains})
+    samples = {name: d.calibration.continue_samples for name, d in best.domains.items()}
+    assert samples == {"math": PRESET_CALIBRATION["best"]["continue_samples"], "code": 0, "chat": 0}
+    assert preset_settings(best)["calibration.continue_samples"] == samples
+    # the preset leaves the caller's mapping alone (a sweep reuses it for the next point)
+    assert "continue_samples" not in domains["math"]["calibration"]
+
+
+def test_best_preset_is_the_measured_best_mean():
+    """``preset: best`` must be the variant of the recorded ablation with the highest mean held-out
+    gap closed; changing either without the other fails here."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results", "quality_ablation.json")
+    with open(path) as handle:
+        run = json.load(handle)["runs"]["same_session"]
+    variants = run["variants"]
+    # the overrides as given on the command line (the stored ones leave out the calibration part)
+    given, _ = json.JSONDecoder().raw_decode(run["command"].split("--variants ", 1)[1])
+
+    def mean_gap(name):
+        domains = variants[name]["domains"].values()
+        return sum(d["gap_closed"] for d in domains) / len(domains)
+
+    name = max(variants, key=mean_gap)
+    overrides = dict(given[name])
+    calibration = overrides.pop("calibration", {})
+    resolved = variants[name]["surgery"]
+    assert {k: resolved[k] for k in PRESETS["best"]} == PRESETS["best"]
+    assert overrides.items() <= PRESETS["best"].items()
+    assert calibration == PRESET_CALIBRATION["best"]
 
 
 @pytest.mark.parametrize("change, field", [
@@ -209,3 +254,19 @@ def test_surgery_reports_selection_and_time(merged_copy, tiny_family):
     assert report["surgery"]["preset_settings"]["loss"] == "kl"
     with open(os.path.join(merged_copy, "darts_report.json")) as handle:
         assert json.load(handle)["domains"]["math"]["selection"]["lr"] == entry["selection"]["lr"]
+
+    # the 7B parameter share, with its formula, in `info` (text and JSON) and in `report`
+    from click.testing import CliRunner
+
+    from mergekit_darts.cli import main
+
+    parameters = 2 * 2 * 4096 + 32 * 4096 + 16 * (4096 + 32000)  # rank 2, 32 positions, preset head_rank 16
+    info = CliRunner().invoke(main, ["info", merged_copy])
+    assert info.exit_code == 0, info.output
+    assert f"2·2·4096 + 32·4096 + 16·(4096+32000) = {parameters:,}" in info.output
+    assert "within the 0.1% budget" in info.output and "train " in info.output
+    as_json = json.loads(CliRunner().invoke(main, ["info", merged_copy, "--json"]).output)
+    assert as_json["share_7b"]["parameters"] == parameters and as_json["share_7b"]["within_budget"]
+    table = CliRunner().invoke(main, ["report", merged_copy, "--no-plot"]).output
+    assert f"= {parameters:,} of" in table and "(preset best)" in table
+    assert f"{entry['train_seconds']:.1f}" in table

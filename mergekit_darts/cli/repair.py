@@ -87,7 +87,6 @@ def info_command(out_path: str, as_json: bool):
     """Domains, experts, parameter counts and report summary of a repaired directory OUT_PATH."""
     from mergekit_darts.output.export import read_darts_info
     from mergekit_darts.pipeline import before_after
-
     from mergekit_darts.repair.budget import share_of_7b
 
     info = read_darts_info(out_path)
@@ -114,4 +113,6 @@ def info_command(out_path: str, as_json: bool):
                      before_after(entry.get("held_out_kl"), "held-out KL")):
             if part:
                 line += f", {part}"
+        if entry.get("train_seconds") is not None:
+            line += f", train {entry['train_seconds']:.1f} s"
         click.echo(line)
