@@ -133,6 +133,28 @@ def score_references(demo_dir: str, test: dict) -> dict:
     return scores
 
 
+def sample_diversity(demo_dir: str, overrides: dict) -> dict:
+    """Per domain: how many sampled rows differ from their prompt's greedy row, and the mean number
+    of distinct continuations per prompt (greedy included). Reads the cached capture."""
+    from mergekit_darts.pipeline import capture_step, parse_config_source
+    from mergekit_darts.settings import RunSettings
+
+    with open(os.path.join(demo_dir, "demo.yml")) as handle:
+        config_source, overrides = _calibration_overrides(handle.read(), overrides)
+    _, surgery = parse_config_source(config_source, overrides)
+    captured = capture_step(os.path.join(demo_dir, "merged"), surgery, RunSettings.resolve(surgery, None, False))
+    result = {}
+    for name, data in captured.domains.items():
+        rows = [tuple(ids[mask].tolist()) for ids, mask in zip(data.input_ids, data.attention_mask)]
+        prompts = int(data.groups.max()) + 1
+        distinct = [len({rows[j] for j in range(p, len(rows), prompts)} | {rows[p]}) for p in range(prompts)]
+        result[name] = {"sampled_rows": len(rows) - prompts,
+                        "differ_from_greedy": sum(rows[j] != rows[j % prompts] for j in range(prompts, len(rows))),
+                        "distinct_per_prompt": sum(distinct) / prompts}
+    print(f"sample diversity {result}", flush=True)
+    return result
+
+
 def load_test(demo_dir: str) -> dict:
     from mergekit_darts.demo import tasks
 
@@ -152,6 +174,8 @@ def main() -> None:
     parser.add_argument("--prepare", action="store_true", help="make DEMO_DIR first (no ablations, no scoring)")
     parser.add_argument("--references", action="store_true", help="score base, experts and plain merge")
     parser.add_argument("--seed", type=int, default=0, help="the demo seed for --prepare")
+    parser.add_argument("--diversity", nargs="*", default=[],
+                        help="variant names (with continue_samples) whose sampled rows are compared to greedy")
     args = parser.parse_args()
     import torch
 
@@ -168,6 +192,8 @@ def main() -> None:
     path = os.path.join(RESULTS_DIR, "quality_ablation.json")
     for name, overrides in variants.items():
         results[name] = run_variant(args.demo_dir, name, overrides, name in args.score, test)
+        if name in args.diversity:
+            results[name]["sample_diversity"] = sample_diversity(args.demo_dir, overrides)
         stored = {}
         if os.path.exists(path):  # written after every variant: a long run keeps what it measured
             with open(path) as handle:
