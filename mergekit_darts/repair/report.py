@@ -252,8 +252,8 @@ def summary_table(report: Dict[str, Any]) -> str:
     """A plain-text table (Table 3 style) per domain: bias before/after surgery, and the KL to the
     expert's next-token distribution before/after with the share of it closed; "measured on" says
     whether those are held-out or (held_out: 0, too few records) training records."""
-    header = ["domain", "train", "held-out", "measured on", "final loss", "L1 before", "L1 after", "reduction",
-              "EW-L1 before", "EW-L1 after", "KL before", "KL after", "KL gap closed", "verdict", "train s"]
+    header = ["domain", "train", "held-out", "measured on", "final loss", "train s", "L1 before", "L1 after",
+              "reduction", "EW-L1 before", "EW-L1 after", "KL before", "KL after", "KL gap closed", "verdict"]
     rows = [header]
     for name, entry in report.get("domains", {}).items():
         bias = entry.get("bias") or {}
@@ -265,10 +265,11 @@ def summary_table(report: Dict[str, Any]) -> str:
         status = (entry.get("verdict") or {}).get("status", "-")
         closed = kl.get("gap_closed")
         rows.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), measured,
-                     _fmt(entry.get("final_loss")), _fmt(before), _fmt(after), reduction,
+                     _fmt(entry.get("final_loss")), _fmt(entry.get("train_seconds"), 1), _fmt(before), _fmt(after),
+                     reduction,
                      _fmt(bias.get("mean_before_weighted")), _fmt(bias.get("mean_after_weighted")),
                      _sig(kl.get("before")), _sig(kl.get("after")), "-" if closed is None else f"{100 * closed:.1f}%",
-                     status if status in ("improved", "-") else status.upper(), _fmt(entry.get("train_seconds"), 1)])
+                     status if status in ("improved", "-") else status.upper()])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
