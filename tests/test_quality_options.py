@@ -129,6 +129,30 @@ def test_sampled_continuations_are_seeded_and_differ_from_greedy(tiny_family, tm
         assert row[: len(greedy[i % 3]) - 6] == greedy[i % 3][: len(greedy[i % 3]) - 6]
     assert any(row != greedy[i % 3] for i, row in enumerate(got[3:]))
     assert got[3:6] != got[6:9]  # each round draws different samples
+    # one prompt length per row: a sampled row's prompt is its prompt's (the router pools prompts only)
+    lengths = first.prompt_lengths.tolist()
+    assert len(lengths) == len(got) and lengths[3:] == lengths[:3] * 2
+    assert all(got[i][:n] == got[i % 3][:n] for i, n in enumerate(lengths))
+
+
+def test_router_uses_each_prompt_once():
+    """Sampled rows repeat their prompt; the router must see each prompt once, or a held-out prompt's
+    copies would train it."""
+    from types import SimpleNamespace
+
+    from mergekit_darts.pipeline import router_step
+
+    prompts, rounds, t = 10, 3, 4
+    captured = SimpleNamespace(domains={})
+    for offset, name in enumerate(("math", "code")):
+        base = torch.randn(prompts, t, H, generator=torch.Generator().manual_seed(offset)) + 3 * offset
+        captured.domains[name] = SimpleNamespace(
+            merged_hidden=base.repeat(rounds, 1, 1), attention_mask=torch.ones(prompts * rounds, t, dtype=torch.bool),
+            prompt_lengths=torch.full((prompts * rounds,), 2), groups=torch.arange(prompts * rounds) % prompts)
+    surgery = parse_surgery_block({"domains": {"math": BLOCK["domains"]["math"],
+                                               "code": {"model": "c", "calibration": {"texts": ["b"]}}}})
+    _, entry = router_step("unused", captured, surgery, SimpleNamespace(seed=0))
+    assert entry["records"] == {"math": 2, "code": 2}  # 20% of 10 prompts, not of 30 rows
 
 
 def test_split_rows_keeps_prompts_together():
