@@ -236,6 +236,9 @@ def test_best_preset_is_the_measured_best_mean():
     ({"lr_candidates": []}, "surgery.lr_candidates"),
     ({"preset": "fastest"}, "surgery.preset"),
     ({"eval_every": 0}, "surgery.eval_every"),
+    ({"eval_every": 2.5}, "surgery.eval_every"),  # strict: a float step count is a typo, not 2
+    ({"early_stopping": "yes"}, "surgery.early_stopping"),
+    ({"lr_candidates": [True]}, "surgery.lr_candidates"),
     ({"validation": 1.0}, "surgery.validation"),
     ({"domains": {"math": {"model": "m", "calibration": {"texts": ["a"], "continue_samples": 2}}}},
      "surgery.domains.math.calibration"),
