@@ -20,6 +20,8 @@ METHODS = get_args(Method)
 LOSSES = get_args(Loss)
 CONTENTS = get_args(Content)
 DTYPES = get_args(Dtype)
+Preset = Literal["paper", "best"]
+PRESETS_NAMES = get_args(Preset)
 DOMAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # "none" = plain merge, "auto" = routed, "router" = the router's tensors (darts.router.*)
 RESERVED_NAMES = ("none", "auto", "router")
@@ -84,6 +86,15 @@ class CalibrationConfig(_Strict):
     template: Optional[str] = None
     chat_template: bool = Field(False, strict=True)
     continue_tokens: StrictInt = Field(0, ge=0, le=MAX_POSITIONS)
+    # quality options (docs/quality.md): sampled continuations of each prompt besides the greedy one
+    continue_samples: StrictInt = Field(0, ge=0, le=1024)
+    continue_temperature: YamlFloat = Field(1.0, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _samples_need_tokens(self):
+        if self.continue_samples > 0 and self.continue_tokens == 0:
+            raise ValueError("continue_samples needs continue_tokens > 0 (the length of each sampled continuation)")
+        return self
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -137,6 +148,15 @@ class SurgeryConfig(_Strict):
     kl_top_k: StrictInt = Field(256, gt=0, le=1 << 24)
     kl_precision: KLPrecision = "float32"
     kl_positions_per_step: Optional[StrictInt] = Field(None, gt=0, le=1 << 30)
+    # quality options (docs/quality.md): presets, held-out selection, weight decay
+    preset: Optional[Preset] = None
+    weight_decay: YamlFloat = Field(0.0, ge=0, allow_inf_nan=False)
+    lr_candidates: Optional[List[YamlFloat]] = None
+    early_stopping: bool = Field(False, strict=True)
+    eval_every: StrictInt = Field(25, gt=0, le=MAX_STEPS)
+    patience: StrictInt = Field(8, gt=0, le=MAX_STEPS)
+    validation: YamlFloat = Field(0.2, gt=0, lt=1)
+    refit: bool = Field(True, strict=True)
 
     @field_validator("device_map")
     @classmethod
@@ -166,6 +186,18 @@ class SurgeryConfig(_Strict):
         if self.max_memory is not None and self.device_map is None:
             raise ValueError("max_memory needs device_map (e.g. device_map: auto); it has no effect without one")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        return expand_preset(data)
+
+    @field_validator("lr_candidates")
+    @classmethod
+    def _lr_candidates(cls, value: Optional[List[float]]) -> Optional[List[float]]:
+        if value is not None and (not value or any(not lr > 0 or lr == float("inf") for lr in value)):
+            raise ValueError("give a non-empty list of positive learning rates")
+        return value
 
     @field_validator("device")
     @classmethod
@@ -219,6 +251,56 @@ class SurgeryConfig(_Strict):
     def active_domain(self) -> str:
         """The domain active when the output directory is loaded."""
         return self.default_domain if self.default_domain is not None else next(iter(self.domains))
+
+
+# What each preset sets; keys written in the YAML win. "paper" is the defaults, spelled out. "best"
+# is the variant with the highest mean held-out KL gap closed over the demo domains
+# (benchmarks/results/quality_ablation.json, run "same_session"; docs/quality.md has the table and
+# why the margin is small). Its calibration keys go only to domains whose calibration continues
+# the prompts (continue_tokens > 0): sampling needs a continuation length.
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "paper": {"method": "darts", "loss": "ewl1", "content": "relu", "head_rank": 0, "steps": 500, "lr": 1.0e-3},
+    "best": {"method": "darts", "loss": "kl", "content": "relu", "head_rank": 16, "steps": 500, "lr": 1.0e-3},
+}
+PRESET_CALIBRATION: Dict[str, Dict[str, Any]] = {
+    "paper": {},
+    "best": {"continue_samples": 4, "continue_temperature": 1.0},
+}
+
+
+def expand_preset(data: Any) -> Any:
+    """The ``surgery:`` mapping with its preset's settings filled in where the YAML gives none."""
+    if not isinstance(data, dict) or data.get("preset") is None:
+        return data
+    preset = data["preset"]
+    if preset not in PRESETS:
+        return data  # the Literal check names the field and the choices
+    expanded = {**PRESETS[preset], **data}
+    calibration = PRESET_CALIBRATION[preset]
+    if calibration and isinstance(data.get("domains"), dict):
+        domains = {}
+        for name, domain in data["domains"].items():
+            given = domain.get("calibration") if isinstance(domain, dict) else None
+            if isinstance(given, dict) and _continues(given.get("continue_tokens")):
+                domain = {**domain, "calibration": {**calibration, **given}}
+            domains[name] = domain
+        expanded["domains"] = domains
+    return expanded
+
+
+def _continues(continue_tokens: Any) -> bool:
+    # a wrong type is left to the schema, which names the field
+    return isinstance(continue_tokens, int) and not isinstance(continue_tokens, bool) and continue_tokens > 0
+
+
+def preset_settings(surgery: "SurgeryConfig") -> Optional[Dict[str, Any]]:
+    """The settings a preset controls, as this run resolved them (explicit keys included)."""
+    if surgery.preset is None:
+        return None
+    settings = {key: getattr(surgery, key) for key in PRESETS[surgery.preset]}
+    for key in PRESET_CALIBRATION[surgery.preset]:
+        settings[f"calibration.{key}"] = {n: getattr(d.calibration, key) for n, d in surgery.domains.items()}
+    return settings
 
 
 def _format_error(error: ValidationError, prefix: str) -> str:

@@ -11,13 +11,16 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import yaml
 
-from mergekit_darts.config import SurgeryConfig, SurgeryConfigError, parse_surgery_block, split_yaml
+from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
+                                   split_yaml)
+from mergekit_darts.repair.heldout import held_out_kl, prompt_count, split_held_out, split_rows  # noqa: F401
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -157,6 +160,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     captured = capture_step(out_path, surgery, settings, texts)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
                            "domains": {}}
+    # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
+    report["surgery"]["preset_settings"] = preset_settings(surgery)
     for name, data in captured.domains.items():
         trained = train_domain(name, data, captured.merged_head, surgery, settings)
         modules[name] = trained.module
@@ -233,6 +238,9 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
             domain_texts = apply_chat_template(domain_texts, tokenizer, where=f"{where}.chat_template")
         specs.append(DomainCaptureSpec(name=name, expert=domain.model, texts=domain_texts,
                                        continue_tokens=domain.calibration.continue_tokens,
+                                       continue_samples=domain.calibration.continue_samples,
+                                       continue_temperature=domain.calibration.continue_temperature,
+                                       sample_seed=settings.seed,
                                        add_special_tokens=not domain.calibration.chat_template))
     captured = capture_domains(
         out_path, specs, surgery.max_positions, dtype=settings.dtype, device=settings.device,
@@ -250,55 +258,57 @@ class TrainedDomain:
     entry: Dict[str, Any]  # the domain's part of darts_report.json
 
 
-def split_held_out(n: int, share: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(train indices, held-out indices) of ``n`` records; at least one record trains."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    held = int(round(share * n)) if share > 0 and n >= 2 else 0
-    held = min(held, n - 1)
-    return order[held:].sort().values, order[:held].sort().values
-
-
 def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryConfig,
                  settings: RunSettings) -> TrainedDomain:
     """Train one domain's module on its cached states and measure it on the held-out records."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
     from mergekit_darts.repair.capture import resolve_device
     from mergekit_darts.repair.report import bias_by_position, domain_verdict
-    from mergekit_darts.repair.train import train_surgery
+    from mergekit_darts.repair.selection import fit
 
+    started = time.perf_counter()
     device = resolve_device(settings.device)
     kl = surgery.loss == "kl"
-    n = data.merged_hidden.shape[0]
-    train_idx, held_idx = split_held_out(n, surgery.held_out, settings.seed)
     tensors = {
         "merged": data.merged_hidden, "target": data.expert_hidden, "mask": data.attention_mask,
         "position_ids": data.position_ids, "entropy": data.expert_entropy,
     }
-    # promote the cached (often bfloat16) states once, not at every step
-    train = {k: v[train_idx].to(device) for k, v in tensors.items()}
-    train["merged"], train["target"] = train["merged"].float(), train["target"].float()
-    torch.manual_seed(settings.seed)
+    rows = split_rows(data, surgery, settings.seed)
+    train_idx, held_idx = rows["train"], rows["held_out"]
+
+    def on_device(index):
+        # promote the cached (often bfloat16) states once, not at every step
+        part = {k: v[index].to(device) for k, v in tensors.items()}
+        part["merged"], part["target"] = part["merged"].float(), part["target"].float()
+        return part
+
     shape = SurgeryShape(method=surgery.method, rank=surgery.rank, head_rank=surgery.head_rank,
                          max_positions=surgery.max_positions, content=surgery.content)
-    module = DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
-                                      vocab_size=merged_head.shape[0])
-    history = train_surgery(
-        module, train["merged"], train["target"], train["mask"], train["position_ids"],
-        entropy=train["entropy"], loss=surgery.loss, steps=surgery.steps, lr=surgery.lr,
-        batch_size=surgery.batch_size, seed=settings.seed,
+    fitted = fit(
+        lambda: DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
+                                         vocab_size=merged_head.shape[0]),
+        on_device(train_idx), on_device(rows["validation"]) if rows["validation"].numel() else None,
+        loss=surgery.loss, steps=surgery.steps, lrs=list(surgery.lr_candidates or [surgery.lr]),
+        early_stopping=surgery.early_stopping, eval_every=surgery.eval_every, patience=surgery.patience,
+        weight_decay=surgery.weight_decay, batch_size=surgery.batch_size, seed=settings.seed,
         expert_head=data.expert_head.to(device, torch.float32) if kl else None,
         merged_head=merged_head.to(device, torch.float32) if kl else None,
-        kl_chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
-        kl_target=surgery.kl_target, kl_top_k=surgery.kl_top_k, kl_precision=surgery.kl_precision,
-        kl_positions_per_step=surgery.kl_positions_per_step,
+        chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
+        refit=on_device(rows["refit"]) if surgery.refit and rows["validation"].numel() else None,
+        kl_options={"kl_target": surgery.kl_target, "kl_top_k": surgery.kl_top_k,
+                    "kl_precision": surgery.kl_precision, "kl_positions_per_step": surgery.kl_positions_per_step},
     )
+    module, history = fitted.module, fitted.history
     module = module.cpu().eval()
     entry: Dict[str, Any] = {
         "expert": surgery.domains[name].model,
         "calibration": {"train": int(train_idx.numel()), "held_out": int(held_idx.numel()),
+                        "validation": int(rows["validation"].numel()),
                         "truncated": int(data.truncated), "skipped": int(data.skipped)},
         "final_loss": history[-1] if history else None,
         "parameters": count_parameters(module),
+        "selection": fitted.selection,
+        "train_seconds": round(time.perf_counter() - started, 3),
     }
     eval_idx = held_idx if held_idx.numel() else train_idx
     entry["bias_split"] = "held_out" if held_idx.numel() else "train"
@@ -317,35 +327,14 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     return TrainedDomain(module=module, entry=entry)
 
 
-@torch.no_grad()
-def held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str, float]:
-    """Mean KL(expert || merged) before and after the correction on held-out positions, and the
-    share of that gap the correction closes (1 = the expert's distribution, 0 = the plain merge)."""
-    from mergekit_darts.repair.losses import kl_loss
-
-    mask = held["mask"].bool()
-    merged = held["merged"].float()
-    target = held["target"].float()[mask]
-    before = kl_loss(merged[mask], target, expert_head, merged_head, chunk_size=chunk_size)
-    corrected = module(merged, held["position_ids"])[mask]
-    head = module.head_correction if module.head_rank > 0 else None
-    after = kl_loss(corrected, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size)
-    gap_closed = 1.0 - float(after) / float(before) if float(before) > 0 else None
-    result = {"before": float(before), "after": float(after), "gap_closed": gap_closed}
-    if module.position_bias is not None:
-        # what `mergekit-darts bake --drop-position-bias` keeps: the correction without its table
-        unbiased = (merged - module.content(merged))[mask]
-        result["after_without_position_bias"] = float(
-            kl_loss(unbiased, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
-    return result
-
-
 def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSettings):
     """Train the domain router on the captured prompt states (docs/routing.md); measure it on the
     surgery's held-out records and on ``router_eval`` (or swapped domains). Returns (router, entry)."""
     from mergekit_darts.repair.router import pooled_prompts, train_router
 
-    pooled = {name: pooled_prompts(data) for name, data in captured.domains.items()}
+    # the greedy rows only: a sampled continuation repeats its prompt, whose pooled state would then
+    # sit on both sides of the router's held-out split
+    pooled = {name: pooled_prompts(data)[:prompt_count(data)] for name, data in captured.domains.items()}
     splits = {name: split_held_out(rows.shape[0], surgery.held_out, settings.seed) for name, rows in pooled.items()}
     eval_pooled = None
     if surgery.router_eval is not None:

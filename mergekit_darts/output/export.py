@@ -207,7 +207,7 @@ def read_darts_info(out_dir: str) -> dict:
     for name, expert in (meta.get("domains") or {}).items():
         mine = {k: v for k, v in header.items() if k.startswith(layout.darts_tensor_name(name, ""))}
         info = {"expert": expert, "parameters": layout.numel(mine), "tensors": sorted(mine)}
-        for key in ("calibration", "final_loss", "bias", "held_out_kl"):
+        for key in ("calibration", "final_loss", "bias", "held_out_kl", "train_seconds", "selection"):
             if key in report.get("domains", {}).get(name, {}):
                 info[key] = report["domains"][name][key]
         domains[name] = info

@@ -37,6 +37,9 @@ class CapturedDomain:
     expert_head: torch.Tensor  # [V, H] expert LM head weight (capture dtype)
     truncated: int  # samples cut to max_positions
     skipped: int  # records that tokenized to nothing
+    # prompt index of each row: rows [0, prompts) are the prompts (greedy-continued), then each
+    # sampled continuation round (continue_samples); None = one row per prompt
+    groups: Optional[torch.LongTensor] = None
     # [N] tokens of each row that are its prompt; the rest (up to the mask's end) is the expert's
     # continuation. From the tokenization, not the cache, so the cache format is unchanged.
     prompt_lengths: Optional[torch.LongTensor] = None
@@ -51,6 +54,9 @@ class DomainCaptureSpec:
     # None = auto: no special tokens are added to a text that already starts with the tokenizer's
     # BOS (a chat-templated text), else they are. Give False for chat-templated texts to be explicit.
     add_special_tokens: Optional[bool] = None
+    continue_samples: int = 0  # sampled continuations per prompt, besides the greedy one
+    continue_temperature: float = 1.0
+    sample_seed: int = 0
 
 
 @dataclass
@@ -113,7 +119,7 @@ def capture_domains(
         _check_expert(spec, expert_dirs[spec.expert], merged_sizes, tokenizer, trust_remote_code)
 
     merged = _ModelSlot(merged_dir, ctx)
-    experts_first = any(spec.continue_tokens > 0 for spec in specs)
+    experts_first = any(spec.continue_tokens > 0 or spec.continue_samples > 0 for spec in specs)
     if experts_first:
         expert_out = _capture_experts(specs, expert_dirs, prompts, ctx)
         merged_out = _capture_merged(merged, specs, {n: out[0] for n, out in expert_out.items()}, ctx)
@@ -135,7 +141,10 @@ def capture_domains(
             expert_head=expert_head,
             truncated=prompts[spec.name].truncated,
             skipped=prompts[spec.name].skipped,
-            prompt_lengths=torch.tensor([len(row) for row in prompts[spec.name].ids], dtype=torch.long),
+            groups=torch.arange(len(ids)) % len(prompts[spec.name].ids) if spec.continue_samples else None,
+            # one entry per row: a sampled row repeats its prompt's length
+            prompt_lengths=torch.tensor([len(row) for row in prompts[spec.name].ids], dtype=torch.long)
+            .repeat(len(ids) // len(prompts[spec.name].ids)),
         )
     return CaptureResult(domains=domains, merged_head=merged_out["head"])
 
@@ -204,8 +213,9 @@ def _capture_experts(specs, expert_dirs, prompts: Dict[str, _Prompts], ctx: _Ctx
                 prompt = prompts[spec.name].ids
                 # Keyed by the prompt ids: the continuation is the expert's own output, stored in the entry.
                 key = _key("expert", identity, ctx.dtype, ids=prompt, continue_tokens=spec.continue_tokens,
-                           max_positions=ctx.max_positions if spec.continue_tokens else None)
-                entry = ctx.cache.load(f"expert.{spec.name}", key, _expert_shapes(prompt, ctx),
+                           max_positions=ctx.max_positions if spec.continue_tokens else None,
+                           **_sampling_key(spec))
+                entry = ctx.cache.load(f"expert.{spec.name}", key, _expert_shapes(prompt, ctx, spec),
                                        extra_check=lambda e, p=prompt, s=spec: _check_continued(e, p, s, ctx))
                 if entry is None:
                     entry = _expert_entry(slot.get(), prompt, spec, ctx)
@@ -222,6 +232,11 @@ def _expert_entry(model, prompt: List[List[int]], spec: DomainCaptureSpec, ctx: 
     ids = prompt
     if spec.continue_tokens > 0:
         ids = _continue(model, prompt, spec.continue_tokens, ctx, _eos_ids(model), f"continue · {spec.name}")
+        for round_ in range(spec.continue_samples):
+            # seeded per round: the same config gives the same samples, each round different ones
+            ids = ids + _continue(model, prompt, spec.continue_tokens, ctx, _eos_ids(model),
+                                  f"sample {round_ + 1} · {spec.name}", temperature=spec.continue_temperature,
+                                  seed=spec.sample_seed + round_)
     states, entropy = _forward_hidden(model, ids, ctx, f"expert · {spec.name}", with_entropy=True)
     input_ids, _ = _pad(ids, ctx.pad_id)
     lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
@@ -238,8 +253,15 @@ def _cached_head(slot: _ModelSlot, role: str, identity: dict, ctx: _Ctx) -> torc
     return entry["head"]
 
 
-def _expert_shapes(prompt: List[List[int]], ctx: _Ctx) -> dict:
-    n = len(prompt)
+def _sampling_key(spec: DomainCaptureSpec) -> dict:
+    if not spec.continue_samples:
+        return {}  # keys of entries captured before sampling existed stay valid
+    return {"continue_samples": spec.continue_samples, "continue_temperature": spec.continue_temperature,
+            "sample_seed": spec.sample_seed}
+
+
+def _expert_shapes(prompt: List[List[int]], ctx: _Ctx, spec: DomainCaptureSpec) -> dict:
+    n = len(prompt) * (1 + (spec.continue_samples if spec.continue_tokens > 0 else 0))
     return {"input_ids": ((n, None), torch.long), "lengths": ((n,), torch.long),
             "hidden": ((n, None, ctx.hidden_size), ctx.dtype), "entropy": ((n, None), torch.float32)}
 
@@ -249,7 +271,8 @@ def _check_continued(entry: dict, prompt: List[List[int]], spec: DomainCaptureSp
     t = entry["input_ids"].shape[1]
     if entry["hidden"].shape[1] != t or entry["entropy"].shape[1] != t:
         raise ValueError("hidden/entropy length differs from input_ids")
-    for row, n, p in zip(entry["input_ids"], entry["lengths"].tolist(), prompt):
+    rounds = 1 + (spec.continue_samples if spec.continue_tokens > 0 else 0)
+    for row, n, p in zip(entry["input_ids"], entry["lengths"].tolist(), prompt * rounds):
         if not len(p) <= n <= min(len(p) + spec.continue_tokens, t, ctx.max_positions) or row[:len(p)].tolist() != p:
             raise ValueError("stored ids do not extend the prompts")
 

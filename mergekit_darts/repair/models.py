@@ -228,9 +228,21 @@ def _forward_hidden(model, ids: List[List[int]], ctx: _Ctx, desc: str, with_entr
 
 
 @torch.no_grad()
-def _continue(model, prompts: List[List[int]], n: int, ctx: _Ctx, eos_ids: set, desc: str) -> List[List[int]]:
+def _continue(model, prompts: List[List[int]], n: int, ctx: _Ctx, eos_ids: set, desc: str,
+              temperature: Optional[float] = None, seed: int = 0) -> List[List[int]]:
     """Each prompt + the model's greedy continuation: up to ``n`` tokens, stopping before EOS and
-    at ``max_positions`` (so a continued sample is never truncated)."""
+    at ``max_positions`` (so a continued sample is never truncated). With ``temperature`` the
+    continuation is sampled (full distribution, no top-k/top-p) from torch's RNG seeded with
+    ``seed``; the caller's RNG state is left as it was."""
+    if temperature is None:
+        return _continue_batches(model, prompts, n, ctx, eos_ids, desc, None)
+    # every GPU: a model placed across devices (device_map) samples on the last one
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+        torch.manual_seed(seed)
+        return _continue_batches(model, prompts, n, ctx, eos_ids, desc, temperature)
+
+
+def _continue_batches(model, prompts, n, ctx, eos_ids, desc, temperature: Optional[float]) -> List[List[int]]:
     out: List[Optional[List[int]]] = [None] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for start in tqdm(range(0, len(order), ctx.batch_size), desc=desc, disable=not ctx.progress, leave=False):
@@ -250,8 +262,10 @@ def _continue(model, prompts: List[List[int]], n: int, ctx: _Ctx, eos_ids: set, 
         device = input_device(model, ctx.device)
         generated = model.generate(
             input_ids=input_ids.to(device), attention_mask=mask.to(device),
-            max_new_tokens=max(budgets), min_new_tokens=0, do_sample=False, num_beams=1,
-            temperature=None, top_p=None, top_k=None, pad_token_id=ctx.pad_id,
+            max_new_tokens=max(budgets), min_new_tokens=0, do_sample=temperature is not None, num_beams=1,
+            # sampling is from the full distribution: no top-k/top-p from the model's generation_config
+            temperature=temperature, top_p=None if temperature is None else 1.0,
+            top_k=None if temperature is None else 0, pad_token_id=ctx.pad_id,
         )[:, longest:].cpu()
         for j, i in enumerate(rows):
             tokens = generated[j, :max(budgets[j], 0)].tolist()

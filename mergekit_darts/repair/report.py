@@ -252,8 +252,8 @@ def summary_table(report: Dict[str, Any]) -> str:
     """A plain-text table (Table 3 style) per domain: bias before/after surgery, and the KL to the
     expert's next-token distribution before/after with the share of it closed; "measured on" says
     whether those are held-out or (held_out: 0, too few records) training records."""
-    header = ["domain", "train", "held-out", "measured on", "final loss", "L1 before", "L1 after", "reduction",
-              "EW-L1 before", "EW-L1 after", "KL before", "KL after", "KL gap closed", "verdict"]
+    header = ["domain", "train", "held-out", "measured on", "final loss", "train s", "L1 before", "L1 after",
+              "reduction", "EW-L1 before", "EW-L1 after", "KL before", "KL after", "KL gap closed", "verdict"]
     rows = [header]
     for name, entry in report.get("domains", {}).items():
         bias = entry.get("bias") or {}
@@ -265,7 +265,8 @@ def summary_table(report: Dict[str, Any]) -> str:
         status = (entry.get("verdict") or {}).get("status", "-")
         closed = kl.get("gap_closed")
         rows.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), measured,
-                     _fmt(entry.get("final_loss")), _fmt(before), _fmt(after), reduction,
+                     _fmt(entry.get("final_loss")), _fmt(entry.get("train_seconds"), 1), _fmt(before), _fmt(after),
+                     reduction,
                      _fmt(bias.get("mean_before_weighted")), _fmt(bias.get("mean_after_weighted")),
                      _sig(kl.get("before")), _sig(kl.get("after")), "-" if closed is None else f"{100 * closed:.1f}%",
                      status if status in ("improved", "-") else status.upper()])
@@ -275,10 +276,18 @@ def summary_table(report: Dict[str, Any]) -> str:
     settings = report.get("surgery") or {}
     if settings:
         keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")
-        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings))
+        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings)
+                     + (f" (preset {settings['preset']})" if settings.get("preset") else ""))
+        if all(k in settings for k in ("rank", "max_positions")):
+            from mergekit_darts.repair.budget import share_of_7b
+
+            budget = share_of_7b(settings)
+            lines.insert(1, f"per domain on a 7B shape: {100 * budget['share']:.4f}% "
+                            f"({'within' if budget['within_budget'] else 'OVER'} the 0.1% budget): {budget['formula']}")
     lines += ["", "All on the held-out calibration records; lower is better except 'KL gap closed'.",
               "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's.",
-              "KL: KL(expert || model) of the next-token distribution (nats/token); gap closed = 1 - after/before."]
+              "KL: KL(expert || model) of the next-token distribution (nats/token); gap closed = 1 - after/before.",
+              "train s: wall seconds of the domain's training (lr choice, early stopping and refit included)."]
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@ vocabulary-sized ones per chunk for ``kl``). Full batch unless ``batch_size`` is
 """
 
 import logging
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -59,13 +59,18 @@ def train_surgery(
     kl_positions_per_step: Optional[int] = None,
     progress: bool = False,
     desc: str = "surgery",
+    weight_decay: float = 0.0,
+    on_step: Optional[Callable[[int, DomainSurgery], bool]] = None,
 ) -> List[float]:
-    """Train ``surgery`` in place with Adam(lr, betas 0.9/0.999, no weight decay); per-step losses.
+    """Train ``surgery`` in place with Adam(lr, betas 0.9/0.999; AdamW with ``weight_decay``); per-step losses.
 
     merged / target: [N, T, H] final hidden states of the merged model and of the expert (any float
     dtype; each batch is promoted to float32). mask: [N, T], true at real tokens. position_ids:
     [N, T]. entropy: [N, T] expert entropies (ewl1/ewmse). ``kl`` needs ``expert_head`` and
     ``merged_head`` ([V, H]). The module moves to ``merged.device``.
+    ``weight_decay > 0`` uses AdamW (decoupled decay on every parameter of the correction).
+    ``on_step(steps_done, module)`` is called after each step; returning True stops training
+    (early stopping, repair/selection.py).
 
     KL at scale (repair/kl_targets.py): ``kl_target`` "topk"/"bf16" computes the expert's distribution
     once; ``kl_precision="mixed"`` uses bfloat16 logit matmuls on CUDA; ``kl_positions_per_step`` draws
@@ -82,7 +87,12 @@ def train_surgery(
         raise ValueError(f"batch_size: must be positive, got {batch_size}")
     device = merged.device
     surgery.to(device).train()
-    optimizer = torch.optim.Adam(surgery.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay: must be >= 0, got {weight_decay}")
+    if weight_decay > 0:
+        optimizer = torch.optim.AdamW(surgery.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+    else:
+        optimizer = torch.optim.Adam(surgery.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     full_batch = batch_size is None or batch_size >= n
 
@@ -108,7 +118,7 @@ def train_surgery(
     order = None
     cursor = 0
     history: List[float] = []
-    for _ in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
+    for step in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
         index = None
         if not full_batch:
             if order is None or cursor + batch_size > n:
@@ -138,7 +148,9 @@ def train_surgery(
         value.backward()
         optimizer.step()
         history.append(float(value.detach()))
+        if on_step is not None and on_step(step + 1, surgery):
+            break
     surgery.eval()
     if history:
-        LOG.info("%s: loss %.5f -> %.5f after %d steps", desc, history[0], history[-1], steps)
+        LOG.info("%s: loss %.5f -> %.5f after %d steps", desc, history[0], history[-1], len(history))
     return history

@@ -1,0 +1,42 @@
+"""The parameter budget of one domain's correction on a 7B-shaped model (docs/quality.md).
+
+The paper's budget is 0.1 % of the model per domain. ``mergekit-darts info`` shows what the
+directory's settings would add to a Llama-2-7B-shaped model, so the budget can be checked on a tiny
+output too.
+"""
+
+from typing import Dict
+
+# Llama-2-7B: hidden 4096, vocabulary 32000, 32 layers, MLP 11008, untied embeddings and head
+SHAPE_7B = {"hidden_size": 4096, "vocab_size": 32000, "layers": 32, "intermediate_size": 11008}
+BUDGET_SHARE = 1e-3
+
+
+def model_parameters(hidden_size: int, vocab_size: int, layers: int, intermediate_size: int) -> int:
+    """Parameters of a Llama-shaped model (full attention, SwiGLU MLP, RMSNorm, untied head)."""
+    per_layer = 4 * hidden_size * hidden_size + 3 * hidden_size * intermediate_size + 2 * hidden_size
+    return 2 * vocab_size * hidden_size + layers * per_layer + hidden_size
+
+
+def correction_parameters(settings: Dict, hidden_size: int, vocab_size: int) -> int:
+    """2·r·H (content) + T·H (darts position table) + r_h·(H + V) (head correction)."""
+    total = 2 * int(settings["rank"]) * hidden_size
+    if settings.get("method", "darts") == "darts":
+        total += int(settings["max_positions"]) * hidden_size
+    total += int(settings.get("head_rank") or 0) * (hidden_size + vocab_size)
+    return total
+
+
+def share_of_7b(settings: Dict) -> Dict:
+    """{parameters, model_parameters, share, within_budget, formula} for the 7B shape."""
+    h, v = SHAPE_7B["hidden_size"], SHAPE_7B["vocab_size"]
+    parameters = correction_parameters(settings, h, v)
+    model = model_parameters(**SHAPE_7B)
+    terms = [f"2·{settings['rank']}·{h}"]
+    if settings.get("method", "darts") == "darts":
+        terms.append(f"{settings['max_positions']}·{h}")
+    if settings.get("head_rank"):
+        terms.append(f"{settings['head_rank']}·({h}+{v})")
+    return {"parameters": parameters, "model_parameters": model, "share": parameters / model,
+            "within_budget": parameters / model <= BUDGET_SHARE,
+            "formula": " + ".join(terms) + f" = {parameters:,} of {model:,} (H {h}, V {v}, {SHAPE_7B['layers']} layers)"}

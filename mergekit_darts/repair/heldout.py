@@ -1,0 +1,71 @@
+"""Held-out splits of a captured domain and the held-out KL measurement (docs/design.md §3).
+
+Splits are by prompt: every sampled continuation of a prompt (``calibration.continue_samples``)
+lands on the same side, so a held-out number never measures a prompt the correction trained on.
+"""
+
+from typing import Dict, Tuple
+
+import torch
+
+
+def prompt_count(data) -> int:
+    """How many prompts a captured domain holds: its rows ``[0, prompts)`` are one per prompt; sampled
+    continuations (``data.groups``) follow them."""
+    groups = getattr(data, "groups", None)
+    return int(data.merged_hidden.shape[0]) if groups is None else int(groups.max()) + 1
+
+
+def split_held_out(n: int, share: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(train indices, held-out indices) of ``n`` records; at least one record trains."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    held = int(round(share * n)) if share > 0 and n >= 2 else 0
+    held = min(held, n - 1)
+    return order[held:].sort().values, order[:held].sort().values
+
+
+def split_rows(data, surgery, seed: int) -> Dict[str, torch.Tensor]:
+    """Row indices {train, validation, held_out} of a captured domain, split by prompt.
+
+    Rows ``[0, prompts)`` are the prompts' greedy (or plain) rows; sampled continuations follow,
+    ``data.groups`` naming each row's prompt. The held-out split is the same prompts as without
+    samples, and is measured on their greedy rows only, so numbers stay comparable across settings.
+    Validation prompts (``surgery.validation`` of the training prompts) are kept only when something
+    is chosen with them (``lr_candidates`` / ``early_stopping``)."""
+    n_rows = data.merged_hidden.shape[0]
+    groups = getattr(data, "groups", None)
+    groups = torch.arange(n_rows) if groups is None else groups
+    prompts = prompt_count(data)
+    train_prompts, held_prompts = split_held_out(prompts, surgery.held_out, seed)
+    validation_prompts = train_prompts[:0]
+    if surgery.early_stopping or (surgery.lr_candidates and len(surgery.lr_candidates) > 1):
+        fit_idx, val_idx = split_held_out(train_prompts.numel(), surgery.validation, seed + 1)
+        train_prompts, validation_prompts = train_prompts[fit_idx], train_prompts[val_idx]
+    in_train = torch.isin(groups, train_prompts)
+    in_validation = torch.isin(groups, validation_prompts) & (torch.arange(n_rows) < prompts)
+    in_refit = in_train | torch.isin(groups, validation_prompts)
+    return {"train": torch.nonzero(in_train).flatten(), "validation": torch.nonzero(in_validation).flatten(),
+            "held_out": held_prompts, "refit": torch.nonzero(in_refit).flatten()}
+
+
+@torch.no_grad()
+def held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str, float]:
+    """Mean KL(expert || merged) before and after the correction on held-out positions, and the
+    share of that gap the correction closes (1 = the expert's distribution, 0 = the plain merge)."""
+    from mergekit_darts.repair.losses import kl_loss
+
+    mask = held["mask"].bool()
+    merged = held["merged"].float()
+    target = held["target"].float()[mask]
+    before = kl_loss(merged[mask], target, expert_head, merged_head, chunk_size=chunk_size)
+    corrected = module(merged, held["position_ids"])[mask]
+    head = module.head_correction if module.head_rank > 0 else None
+    after = kl_loss(corrected, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size)
+    gap_closed = 1.0 - float(after) / float(before) if float(before) > 0 else None
+    result = {"before": float(before), "after": float(after), "gap_closed": gap_closed}
+    if module.position_bias is not None:
+        # what `mergekit-darts bake --drop-position-bias` keeps: the correction without its table
+        unbiased = (merged - module.content(merged))[mask]
+        result["after_without_position_bias"] = float(
+            kl_loss(unbiased, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
+    return result
