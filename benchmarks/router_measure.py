@@ -54,7 +54,7 @@ def main():
     results = {"workdir": os.path.abspath(args.workdir), "records": {
         name: {"train": int(train[name].shape[0]), "held_out": int(held[name].shape[0]),
                "test": int(test[name].shape[0])} for name in pooled}, "kinds": {}}
-    print(f"records per domain (train / held-out calibration / test): "
+    print("records per domain (train / held-out calibration / test): "
           + ", ".join(f"{n} {v['train']}/{v['held_out']}/{v['test']}" for n, v in results["records"].items()))
     print(f"{'kind':9} {'thresh':>6}  {'held-out acc':>12}  {'test acc':>8}  {'OOD->none':>9}  per-domain test acc / OOD->none")
     for kind in ("centroid", "logistic"):

@@ -6,7 +6,6 @@ import logging
 import os
 import shlex
 import shutil
-import sys
 
 import pytest
 from click.testing import CliRunner

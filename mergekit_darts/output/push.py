@@ -9,7 +9,7 @@ usual places (``HF_TOKEN``, ``hf auth login``) and the endpoint from ``HF_ENDPOI
 """
 
 import os
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from mergekit_darts.errors import DartsError, FormatError
 from mergekit_darts.output.card import CARD_BEGIN
