@@ -1,4 +1,4 @@
-"""Merge into a staging sibling and switch it in only once everything succeeded (issue 14).
+"""Merge into a staging sibling and switch it in only once everything succeeded (docs/reliability.md).
 
 ``mergekit-yaml cfg.yml out/`` over a directory that already holds a model must never leave a mix
 of the old and the new: mergekit writes its files over whatever is there (a new ``model.safetensors``
