@@ -254,17 +254,12 @@ class SurgeryConfig(_Strict):
 
 
 # What each preset sets; keys written in the YAML win. "paper" is the defaults, spelled out. "best"
-# is the variant with the highest mean held-out KL gap closed over the demo domains
-# (benchmarks/results/quality_ablation.json, run "same_session"; docs/quality.md has the table and
-# why the margin is small). Its calibration keys go only to domains whose calibration continues
-# the prompts (continue_tokens > 0): sampling needs a continuation length.
+# is the variant with the highest mean held-out KL gap closed over the demo domains and six seeds
+# (benchmarks/results/quality_ablation.json, run "preset_selection"; docs/quality.md has the table
+# and why the margin is small).
 PRESETS: Dict[str, Dict[str, Any]] = {
-    "paper": {"method": "darts", "loss": "ewl1", "content": "relu", "head_rank": 0, "steps": 500, "lr": 1.0e-3},
-    "best": {"method": "darts", "loss": "kl", "content": "relu", "head_rank": 16, "steps": 500, "lr": 1.0e-3},
-}
-PRESET_CALIBRATION: Dict[str, Dict[str, Any]] = {
-    "paper": {},
-    "best": {"continue_samples": 4, "continue_temperature": 1.0},
+    "paper": {"method": "darts", "loss": "ewl1", "content": "relu", "rank": 16, "head_rank": 0, "steps": 500, "lr": 1.0e-3},
+    "best": {"method": "darts", "loss": "kl", "content": "relu", "rank": 64, "head_rank": 0, "steps": 500, "lr": 1.0e-3},
 }
 
 
@@ -275,32 +270,14 @@ def expand_preset(data: Any) -> Any:
     preset = data["preset"]
     if preset not in PRESETS:
         return data  # the Literal check names the field and the choices
-    expanded = {**PRESETS[preset], **data}
-    calibration = PRESET_CALIBRATION[preset]
-    if calibration and isinstance(data.get("domains"), dict):
-        domains = {}
-        for name, domain in data["domains"].items():
-            given = domain.get("calibration") if isinstance(domain, dict) else None
-            if isinstance(given, dict) and _continues(given.get("continue_tokens")):
-                domain = {**domain, "calibration": {**calibration, **given}}
-            domains[name] = domain
-        expanded["domains"] = domains
-    return expanded
-
-
-def _continues(continue_tokens: Any) -> bool:
-    # a wrong type is left to the schema, which names the field
-    return isinstance(continue_tokens, int) and not isinstance(continue_tokens, bool) and continue_tokens > 0
+    return {**PRESETS[preset], **data}
 
 
 def preset_settings(surgery: "SurgeryConfig") -> Optional[Dict[str, Any]]:
     """The settings a preset controls, as this run resolved them (explicit keys included)."""
     if surgery.preset is None:
         return None
-    settings = {key: getattr(surgery, key) for key in PRESETS[surgery.preset]}
-    for key in PRESET_CALIBRATION[surgery.preset]:
-        settings[f"calibration.{key}"] = {n: getattr(d.calibration, key) for n, d in surgery.domains.items()}
-    return settings
+    return {key: getattr(surgery, key) for key in PRESETS[surgery.preset]}
 
 
 def _format_error(error: ValidationError, prefix: str) -> str:
