@@ -31,3 +31,13 @@ def merged_copy(tiny_family, tmp_path):
     out = tmp_path / "merged"
     shutil.copytree(tiny_family["merged"], out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tied_merged(tmp_path_factory):
+    """A tiny Llama whose LM head is its input embedding matrix (stands in for a tied merge)."""
+    from mergekit_darts.tiny import make_random_model
+
+    path = tmp_path_factory.mktemp("tied") / "merged"
+    make_random_model(str(path), seed=5, tie_word_embeddings=True)
+    return str(path)

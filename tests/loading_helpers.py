@@ -1,6 +1,8 @@
 """Helpers for the loading-mode tests: a tiny Darts directory (hidden 64, so bitsandbytes' 64-wide 4-bit
 blocks fit on CPU) with random surgery incl. a head correction, and the independent manual computation."""
 
+import threading
+
 import torch
 
 from mergekit_darts.remote_code.modeling_darts import default_position_ids
@@ -40,3 +42,26 @@ def manual_rows(plain, surgeries, batch):
             logits = logits + surgery.head_correction(corrected)
         rows.append(logits)
     return torch.cat(rows)
+
+
+def run_concurrently(checks, steps):
+    """Run each ``check(step) -> [labels of what differed]`` in its own thread, ``steps`` times, all
+    threads released together; returns (errors, mismatches) with the thread's name / the step."""
+    mismatches, errors = [], []
+    start = threading.Barrier(len(checks))
+
+    def worker(name, check):
+        start.wait()
+        try:
+            with torch.no_grad():
+                for step in range(steps):
+                    mismatches.extend((label, step) for label in check(step))
+        except Exception as error:  # reported by the caller with the thread's name
+            errors.append((name, repr(error)))
+
+    threads = [threading.Thread(target=worker, args=item) for item in checks.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors, mismatches

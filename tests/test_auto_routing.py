@@ -7,13 +7,12 @@ the output. Every "auto" result is compared with the same rows run with the rout
 
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from loading_helpers import VISIBLE, make_tiny_darts_dir
+from loading_helpers import VISIBLE, make_tiny_darts_dir, run_concurrently
 from mergekit_darts.output.export import export_surgery
 from mergekit_darts.remote_code.surgery import pool_prompt_states
 from mergekit_darts.repair.router import fit_router
@@ -219,28 +218,17 @@ def test_two_threads_auto_and_fixed_match_their_sequential_outputs(auto):
         expected = {"auto": model(**batch, darts_domain="auto").logits, "math": model(ids, darts_domain="math").logits}
     expected_tokens = generate(model, batch, darts_domain="auto")
     assert not torch.allclose(model(ids, darts_domain="auto").logits, expected["math"])
-    mismatches, errors = [], []
-    start = threading.Barrier(2)
 
-    def worker(domain):
-        start.wait()
-        try:
-            with torch.no_grad():
-                for step in range(60):
-                    got = model(**batch, darts_domain="auto") if domain == "auto" else model(ids, darts_domain="math")
-                    if not torch.equal(got.logits, expected[domain]):
-                        mismatches.append((domain, step))
-                    if domain == "auto" and step % 20 == 0:
-                        if not torch.equal(generate(model, batch, darts_domain="auto"), expected_tokens):
-                            mismatches.append(("auto generate", step))
-        except Exception as error:  # reported below with the thread's domain
-            errors.append((domain, repr(error)))
+    def routed(step):
+        failed = [] if torch.equal(model(**batch, darts_domain="auto").logits, expected["auto"]) else ["auto"]
+        if step % 20 == 0 and not torch.equal(generate(model, batch, darts_domain="auto"), expected_tokens):
+            failed.append("auto generate")
+        return failed
 
-    threads = [threading.Thread(target=worker, args=(domain,)) for domain in ("auto", "math")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    def fixed(step):
+        return [] if torch.equal(model(ids, darts_domain="math").logits, expected["math"]) else ["math"]
+
+    errors, mismatches = run_concurrently({"auto": routed, "math": fixed}, steps=60)
     assert not errors and not mismatches, (errors[:3], mismatches[:5], len(mismatches))
     assert model.darts_domain == "auto"
 

@@ -35,16 +35,6 @@ def _plain(path):
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
-@pytest.fixture(scope="module")
-def tied_merged(tmp_path_factory):
-    """A tiny Llama whose LM head is its input embedding matrix (stands in for a tied merge)."""
-    from mergekit_darts.tiny import make_random_model
-
-    path = tmp_path_factory.mktemp("tied") / "merged"
-    make_random_model(str(path), seed=5, tie_word_embeddings=True)
-    return str(path)
-
-
 @pytest.mark.parametrize("tied,head_rank", [(False, 2), (False, 0), (True, 2), (True, 0)])
 def test_baked_logits_equal_remote_code(tiny_family, tied_merged, tmp_path, tied, head_rank):
     merged = tied_merged if tied else tiny_family["merged"]

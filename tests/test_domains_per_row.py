@@ -3,12 +3,11 @@
 ``model(..., darts_domain=...)`` and ``generate(..., darts_domain=[one name per row])`` never change the
 model's default domain; a mixed batch gives each row what it gets alone with its domain."""
 
-import threading
 
 import pytest
 import torch
 
-from loading_helpers import VISIBLE, make_tiny_darts_dir, manual_rows, padded_batch
+from loading_helpers import VISIBLE, make_tiny_darts_dir, manual_rows, padded_batch, run_concurrently
 from test_modeling import PROMPTS, load, tokenizer_for
 
 MIXED = ["math", "code", "none"]  # one per PROMPTS row
@@ -118,24 +117,11 @@ def test_two_threads_with_different_domains_match_sequential_outputs(tiny):
     with torch.no_grad():
         sequential = {domain: model(ids, darts_domain=domain).logits for domain, ids in inputs.items()}
     assert not torch.allclose(sequential["math"][:, :5], model(inputs["math"], darts_domain="code").logits[:, :5])
-    mismatches, errors = [], []
-    start = threading.Barrier(2)
 
-    def worker(domain):
-        start.wait()
-        try:
-            with torch.no_grad():
-                for step in range(200):
-                    if not torch.equal(model(inputs[domain], darts_domain=domain).logits, sequential[domain]):
-                        mismatches.append((domain, step))
-        except Exception as error:  # reported below with the thread's domain
-            errors.append((domain, repr(error)))
+    def check(domain):
+        return lambda step: [] if torch.equal(model(inputs[domain], darts_domain=domain).logits, sequential[domain]) else [domain]
 
-    threads = [threading.Thread(target=worker, args=(domain,)) for domain in inputs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors, mismatches = run_concurrently({domain: check(domain) for domain in inputs}, steps=200)
     assert not errors and not mismatches, (errors[:3], mismatches[:5], len(mismatches))
 
 

@@ -27,15 +27,6 @@ def _models(out):
     return remote, plain
 
 
-@pytest.fixture(scope="module")
-def tied_merged(tmp_path_factory):
-    from mergekit_darts.tiny import make_random_model
-
-    path = tmp_path_factory.mktemp("tied") / "merged"
-    make_random_model(str(path), seed=7, tie_word_embeddings=True)
-    return str(path)
-
-
 @pytest.mark.parametrize("tied,head_rank", [(False, 2), (False, 0), (True, 2), (True, 0)])
 def test_adapters_give_each_domains_logits(tiny_family, tied_merged, tmp_path, tied, head_rank):
     from peft import PeftModel
