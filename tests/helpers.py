@@ -27,6 +27,25 @@ def merge_tiny(paths, out, domains=("math", "code")):
     return out
 
 
+QUICK_TEXTS = {"math": ["what is 1 plus 2 ?", "how many apples are left", "add 3 and 4"],
+               "code": ["def sum list", "write code to reverse a list", "print the sum"]}
+
+
+def quick_surgery_output(family, out, cache_dir, domains=("math",)):
+    """Copy the tiny family's plain merge to ``out`` and run a real 2-step surgery (rank 2, three
+    inline calibration texts per domain) on it: a small but complete repaired directory. Returns ``out``."""
+    from mergekit_darts.pipeline import run_surgery
+
+    shutil.copytree(family["merged"], out)
+    blocks = "".join(f"    {name}:\n      model: {family[name]}\n"
+                     f"      calibration: {{texts: {QUICK_TEXTS[name]}, samples: 3}}\n" for name in domains)
+    cfg = merge_yaml(family) + (
+        "surgery:\n  rank: 2\n  max_positions: 16\n  steps: 2\n  device: cpu\n  dtype: float32\n"
+        f"  cache_dir: {cache_dir}\n  domains:\n" + blocks)
+    run_surgery(cfg, str(out))
+    return str(out)
+
+
 def linear_surgery_output(merged_dir, out, domains=("math", "code"), method="standard", head_rank=2, rank=3,
                           max_positions=16, seed=0):
     """Copy ``merged_dir`` to ``out`` and export random linear-content modules into it (no training:

@@ -177,23 +177,13 @@ def test_eval_command_refuses_code_execution_and_bad_tasks(tmp_path):
 
 def test_eval_command_on_a_darts_directory(tiny_family, tmp_path, data_files):
     """An emitted directory: lm-eval's hf model loads it with the requested domain active."""
-    import shutil
-
     from click.testing import CliRunner
-    from helpers import merge_yaml
+    from helpers import quick_surgery_output
     from lm_eval.models.huggingface import HFLM
 
     from mergekit_darts.cli.evaluate import eval_command
-    from mergekit_darts.pipeline import run_surgery
 
-    out = tmp_path / "darts"
-    shutil.copytree(tiny_family["merged"], out)
-    cfg = merge_yaml(tiny_family) + (
-        "surgery:\n  rank: 2\n  max_positions: 16\n  steps: 2\n  device: cpu\n  dtype: float32\n"
-        f"  cache_dir: {tmp_path / 'cache'}\n  domains:\n    math:\n      model: {tiny_family['math']}\n"
-        "      calibration: {texts: ['what is 1 plus 2 ?', 'how many apples are left', 'add 3 and 4']}\n"
-    )
-    run_surgery(cfg, str(out))
+    out = quick_surgery_output(tiny_family, tmp_path / "darts", tmp_path / "cache")
     for domain in ("math", "none"):
         lm = HFLM(**model_args(str(out), domain, trust_remote_code=True), device="cpu")
         assert lm.model.darts_domain == domain

@@ -80,20 +80,10 @@ def hub():
 
 @pytest.fixture(scope="module")
 def darts_out(tiny_family, tmp_path_factory):
-    from helpers import merge_yaml
-
-    from mergekit_darts.pipeline import run_surgery
+    from helpers import quick_surgery_output
 
     root = tmp_path_factory.mktemp("push")
-    out = root / "out"
-    shutil.copytree(tiny_family["merged"], out)
-    cfg = merge_yaml(tiny_family) + (
-        "surgery:\n  rank: 2\n  max_positions: 8\n  steps: 2\n  device: cpu\n  dtype: float32\n"
-        f"  cache_dir: {root / 'cache'}\n  domains:\n    math:\n      model: {tiny_family['math']}\n"
-        "      calibration: {texts: ['what is 1 plus 2 ?', 'add 3 and 4', 'how many apples'], samples: 3}\n"
-    )
-    run_surgery(cfg, str(out))
-    return str(out)
+    return quick_surgery_output(tiny_family, root / "out", root / "cache")
 
 
 def _copy(src, tmp_path):

@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import shlex
-import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -34,23 +33,10 @@ def _cli(args, **kwargs):
 @pytest.fixture(scope="module")
 def darts_dir(tiny_family, tmp_path_factory):
     """The tiny family's merge with a math and a code surgery (context 256, like the offline example)."""
-    from helpers import merge_yaml
-
-    from mergekit_darts.pipeline import run_surgery
+    from helpers import quick_surgery_output
 
     root = tmp_path_factory.mktemp("ux")
-    out = root / "tiny_out"
-    shutil.copytree(tiny_family["merged"], out)
-    cfg = merge_yaml(tiny_family) + (
-        "surgery:\n  rank: 2\n  max_positions: 16\n  steps: 2\n  device: cpu\n  dtype: float32\n"
-        f"  cache_dir: {root / 'cache'}\n  domains:\n"
-        f"    math:\n      model: {tiny_family['math']}\n"
-        "      calibration: {texts: ['what is 1 plus 2 ?', 'how many apples are left', 'add 3 and 4'], samples: 3}\n"
-        f"    code:\n      model: {tiny_family['code']}\n"
-        "      calibration: {texts: ['def sum list', 'write code to reverse a list', 'print the sum'], samples: 3}\n"
-    )
-    run_surgery(cfg, str(out))
-    return str(out)
+    return quick_surgery_output(tiny_family, root / "tiny_out", root / "cache", domains=("math", "code"))
 
 
 # --- 1. eval on a model whose context is shorter than the tasks' generation length -----------
