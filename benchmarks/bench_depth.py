@@ -90,7 +90,8 @@ def run_blocks(model, first_block, hidden, kwargs):
 def measure(demo_dir, depth, steps, lr, block_rank):
     from transformers import AutoModelForCausalLM
 
-    from mergekit_darts.pipeline import capture_step, held_out_kl, parse_config_source, split_held_out
+    from mergekit_darts.pipeline import capture_step, parse_config_source
+    from mergekit_darts.repair.heldout import held_out_kl, split_held_out
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
     from mergekit_darts.repair.losses import kl_loss
     from mergekit_darts.settings import RunSettings

@@ -28,7 +28,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "router_measure.json"))
     args = parser.parse_args()
 
-    from mergekit_darts.pipeline import capture_step, parse_config_source, split_held_out
+    from mergekit_darts.pipeline import capture_step, parse_config_source
+    from mergekit_darts.repair.heldout import split_held_out
     from mergekit_darts.repair.capture import DomainCaptureSpec, capture_merged_prompts
     from mergekit_darts.repair.router import accuracy, confusion, fit_router, none_share, pooled_prompts
     from mergekit_darts.settings import RunSettings

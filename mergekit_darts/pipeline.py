@@ -20,7 +20,7 @@ import yaml
 
 from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
                                    split_yaml)
-from mergekit_darts.repair.heldout import held_out_kl, prompt_count, split_held_out, split_rows  # noqa: F401
+from mergekit_darts.repair.heldout import held_out_kl, prompt_count, split_held_out, split_rows
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)

@@ -6,8 +6,9 @@ import os
 import pytest
 
 from mergekit_darts.evaluation.harness import (
-    EvaluationError, alpaca_model_outputs, evaluate, model_args, prepare_tasks, results_table, run_program,
+    EvaluationError, alpaca_model_outputs, evaluate, model_args, prepare_tasks, results_table,
 )
+from mergekit_darts.evaluation.sandbox import run_program
 from mergekit_darts.evaluation.lmeval_tasks import utils  # noqa: E402
 
 GSM = [

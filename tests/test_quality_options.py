@@ -158,7 +158,7 @@ def test_router_uses_each_prompt_once():
 def test_split_rows_keeps_prompts_together():
     from types import SimpleNamespace
 
-    from mergekit_darts.pipeline import split_rows
+    from mergekit_darts.repair.heldout import split_rows
 
     surgery = parse_surgery_block({**BLOCK, "early_stopping": True, "held_out": 0.2, "validation": 0.25})
     data = SimpleNamespace(merged_hidden=torch.zeros(30, 2, 4), groups=torch.arange(30) % 10)

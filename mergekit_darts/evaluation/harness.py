@@ -22,10 +22,6 @@ import tempfile
 from importlib import resources
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-# Model-written code runs in the package's one sandbox (a separate, resource-limited `python -I`
-# process, destructive functions disabled); re-exported for the task utils and tests.
-from mergekit_darts.evaluation.sandbox import ExecutionResult, run_program  # noqa: F401
-
 TASKS = ("gsm8k_darts", "humaneval_darts", "alpaca_darts")
 DATA_TASKS = ("gsm8k_darts", "alpaca_darts")  # tasks that need a user-supplied data file
 from mergekit_darts.errors import EvaluationError  # noqa: E402,F401  (re-exported)

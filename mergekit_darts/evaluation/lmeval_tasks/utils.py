@@ -14,7 +14,7 @@ def humaneval_program(doc: Dict[str, Any], completion: str) -> str:
 
 
 def humaneval_process_results(doc: Dict[str, Any], results: List[str]) -> Dict[str, float]:
-    from mergekit_darts.evaluation.harness import run_program
+    from mergekit_darts.evaluation.sandbox import run_program
 
     # the sandbox passes a program only if it ran to its end (an early os._exit(0) is a failure)
     outcome = run_program(humaneval_program(doc, results[0]),
