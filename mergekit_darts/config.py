@@ -21,7 +21,6 @@ LOSSES = get_args(Loss)
 CONTENTS = get_args(Content)
 DTYPES = get_args(Dtype)
 Preset = Literal["paper", "best"]
-PRESETS_NAMES = get_args(Preset)
 DOMAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # "none" = plain merge, "auto" = routed, "router" = the router's tensors (darts.router.*)
 RESERVED_NAMES = ("none", "auto", "router")

@@ -87,7 +87,7 @@ def info_command(out_path: str, as_json: bool):
     """Domains, experts, parameter counts and report summary of a repaired directory OUT_PATH."""
     from mergekit_darts.output.export import read_darts_info
     from mergekit_darts.pipeline import before_after
-    from mergekit_darts.repair.budget import share_of_7b
+    from mergekit_darts.repair.budget import describe_share, share_of_7b
 
     info = read_darts_info(out_path)
     # what these settings would add per domain to a 7B-shaped model (the paper's budget: 0.1 %)
@@ -101,8 +101,7 @@ def info_command(out_path: str, as_json: bool):
         if key == "share" and value is not None:
             value = f"{100 * value:.3f}% of the merged model's parameters"
         if key == "share_7b":
-            value = (f"{100 * value['share']:.4f}% per domain on a 7B shape "
-                     f"({'within' if value['within_budget'] else 'OVER'} the 0.1% budget): {value['formula']}")
+            value = describe_share(value)
         click.echo(f"{key}: {value}")
     for name, entry in info.get("domains", {}).items():
         line = f"domain {name}: expert {entry.get('expert')}, {entry.get('parameters', 0):,} parameters"

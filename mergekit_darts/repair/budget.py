@@ -40,3 +40,10 @@ def share_of_7b(settings: Dict) -> Dict:
     return {"parameters": parameters, "model_parameters": model, "share": parameters / model,
             "within_budget": parameters / model <= BUDGET_SHARE,
             "formula": " + ".join(terms) + f" = {parameters:,} of {model:,} (H {h}, V {v}, {SHAPE_7B['layers']} layers)"}
+
+
+def describe_share(budget: Dict) -> str:
+    """One line for ``info`` and ``report``: the share, the verdict against the budget, the formula."""
+    verdict = "within" if budget["within_budget"] else "OVER"
+    return (f"{100 * budget['share']:.4f}% per domain on a 7B shape ({verdict} the "
+            f"{100 * BUDGET_SHARE:g}% budget): {budget['formula']}")

@@ -279,11 +279,9 @@ def summary_table(report: Dict[str, Any]) -> str:
         lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings)
                      + (f" (preset {settings['preset']})" if settings.get("preset") else ""))
         if all(k in settings for k in ("rank", "max_positions")):
-            from mergekit_darts.repair.budget import share_of_7b
+            from mergekit_darts.repair.budget import describe_share, share_of_7b
 
-            budget = share_of_7b(settings)
-            lines.insert(1, f"per domain on a 7B shape: {100 * budget['share']:.4f}% "
-                            f"({'within' if budget['within_budget'] else 'OVER'} the 0.1% budget): {budget['formula']}")
+            lines.insert(1, describe_share(share_of_7b(settings)))
     lines += ["", "All on the held-out calibration records; lower is better except 'KL gap closed'.",
               "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's.",
               "KL: KL(expert || model) of the next-token distribution (nats/token); gap closed = 1 - after/before.",
