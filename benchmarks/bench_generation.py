@@ -96,7 +96,7 @@ def export_router(path: str, modules: dict, args) -> None:
     other domains point the opposite way, threshold 0): every timed row routes to d0, so "auto"
     does the same surgery work as a fixed d0 plus the routing itself."""
     from mergekit_darts.output.export import export_surgery
-    from mergekit_darts.remote_code.surgery import DomainRouter, pool_prompt_states
+    from mergekit_darts.remote_code.routing import DomainRouter, pool_prompt_states
 
     model = load(path, args, remote=True)
     with torch.inference_mode():

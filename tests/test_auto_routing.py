@@ -14,7 +14,7 @@ import torch
 
 from loading_helpers import VISIBLE, make_tiny_darts_dir, run_concurrently
 from mergekit_darts.output.export import export_surgery
-from mergekit_darts.remote_code.surgery import pool_prompt_states
+from mergekit_darts.remote_code.routing import pool_prompt_states
 from mergekit_darts.repair.router import fit_router
 from test_modeling import PROMPTS, load, tokenizer_for
 from test_router import CODE, MATH, _config

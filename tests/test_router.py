@@ -13,7 +13,8 @@ from helpers import merge_yaml
 from mergekit_darts.config import SurgeryConfigError, parse_surgery_block
 from mergekit_darts.output import layout
 from mergekit_darts.output.export import export_surgery, read_darts_info
-from mergekit_darts.remote_code.surgery import NO_ROUTE, DomainRouter, DomainSurgery, pool_prompt_states, route_rows
+from mergekit_darts.remote_code.routing import NO_ROUTE, DomainRouter, pool_prompt_states, route_rows
+from mergekit_darts.remote_code.surgery import DomainSurgery
 from mergekit_darts.repair.router import confusion, fit_router, pooled_prompts, prompt_mask, route_pooled
 
 DATA = Path(__file__).parent / "data"

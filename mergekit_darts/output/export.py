@@ -23,7 +23,8 @@ from mergekit_darts.output.layout import (
     ARCH_PREFIX, DARTS_SHARD, INDEX, MODELING_FILES, NONE_DOMAIN, REPORT, RESERVED_DOMAINS, SINGLE_SHARD,
     SINGLE_WEIGHTS, STAGING_PREFIX, plain_architecture, plain_config, read_json, safetensors_header, write_json,
 )
-from mergekit_darts.remote_code.surgery import DomainRouter, DomainSurgery, SurgeryShape
+from mergekit_darts.remote_code.routing import DomainRouter
+from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
 
 # the two files shipped into every output directory live in the remote_code package
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "remote_code")

@@ -1,37 +1,36 @@
 """Darts*ForCausalLM: a merged model plus per-domain representation surgery (docs/design.md §3, §5).
 
-Copied with ``surgery.py`` into every output directory and loaded there by transformers' remote-code
-loader: it imports torch, transformers, stdlib ``contextvars``/``dataclasses``/``typing`` and
-``.surgery`` only, and touches no files.
+Copied with ``surgery.py``, ``blocks.py``, ``routing.py`` and ``hooks.py`` into every output directory
+and loaded there by transformers' remote-code loader: these import torch, transformers, the standard
+library's ``contextvars``/``dataclasses``/``functools``/``threading``/``typing`` and each other only, and
+touch no files.
 
-The corrected model is the plain ``<Arch>ForCausalLM`` with two forward hooks: on the final norm
+The corrected model is the plain ``<Arch>ForCausalLM`` with forward hooks (hooks.py): on the final norm
 ``h -> s(h, position_ids)`` for each row's domain's ``DomainSurgery`` ``s``; on the LM head (only when
-``head_rank > 0``) ``logits += s.head_correction(h_hat)``. The parent's ``forward`` (labels/loss,
+``head_rank > 0``) ``logits += s.head_correction(h_hat)``; with ``depth: k``, on every linear of the
+last ``k`` decoder blocks ``y += up(down(x))`` (blocks.py). The parent's ``forward`` (labels/loss,
 ``logits_to_keep``, KV cache, generate) is untouched; it is only wrapped to tell the hooks what the
-current call needs (``_DartsCall``). That state lives in a ``ContextVar``, never on the instance:
-concurrent threads each see their own call, and a replica (``nn.DataParallel``) passes its own
-modules. The hooks are plain functions, so copies of the hook tables (replicate, deepcopy) stay correct.
+current call needs (``_DartsCall``), in a ``ContextVar`` rather than on the instance.
 """
 
-import contextvars
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Sequence
 
 import torch
-from torch import nn
 from transformers import initialization as init
 from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
                           Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
 from transformers.utils import logging
 
-from .surgery import DomainModules, DomainRouter, DomainSurgery, SurgeryShape, route_rows
+from .blocks import BlockAdapter, block_linear_targets
+from .hooks import (_ACTIVE_CALL, AUTO_INDEX, NONE_INDEX, _DartsCall, _darts_head_hook, _darts_norm_hook,
+                    _darts_route_hook, _PendingRoute, install_block_hooks)
+from .routing import DomainModules, DomainRouter, route_rows
+from .surgery import DomainSurgery, SurgeryShape
 
 logger = logging.get_logger(__name__)
 
 NONE_DOMAIN = "none"
-NONE_INDEX = -1  # the per-row domain index of "none" (plain merged model); domains are 0..n-1
 AUTO_DOMAIN = "auto"  # each row's domain is picked by the router from its prompt (docs/routing.md)
-AUTO_INDEX = -2  # a row still to be routed: the prefill's norm hook replaces it with the routed index
 _ROUTED_ATTR = "_darts_routed_rows"  # on a KV cache object: its rows' routed domain indices (CPU [B])
 
 
@@ -45,115 +44,6 @@ def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) 
         return positions[:, -seq_len:]
     past = cache.get_seq_length() if cache is not None else 0
     return torch.arange(past, past + seq_len, device=device).unsqueeze(0)
-
-
-@dataclass
-class _PendingRoute:
-    """Rows of a call still to route (``AUTO_INDEX``): the norm hook routes them from the prompt's
-    final-norm output before any correction (what the router was trained on)."""
-
-    router: DomainRouter
-    rows: torch.Tensor  # CPU [B]: the call's domain indices, AUTO_INDEX where the router decides
-    mask: Optional[torch.Tensor]  # [B, T] real tokens of the prompt (None: all)
-    to_domain: torch.Tensor  # router index -> index in darts_domains
-    grouping: Callable  # rows -> groups (the model's _darts_groups)
-    routed: Optional[torch.Tensor] = None  # CPU [B] once routed: every row's router pick (-1 = none)
-
-    def resolve(self, final_hidden: torch.Tensor):
-        routed = route_rows(self.router, final_hidden, self.mask).cpu()
-        self.routed = torch.where(routed >= 0, self.to_domain[routed.clamp_min(0)], routed)
-        return self.grouping(torch.where(self.rows == AUTO_INDEX, self.routed, self.rows))
-
-
-@dataclass
-class _DartsCall:
-    """What the hooks need during one forward of one model object (original or replica)."""
-
-    norm: nn.Module  # the final norm / LM head of the model whose forward runs: the hooks act only on these
-    head: nn.Module
-    groups: Tuple[Tuple[DomainSurgery, Optional[torch.Tensor]], ...]  # (surgery, its batch rows or None = all)
-    position_ids: torch.Tensor
-    route: Optional[_PendingRoute] = None  # set while rows wait for the router (groups then filled in)
-
-
-# Per thread (and per asyncio task): the forward in progress, if any.
-_ACTIVE_CALL: "contextvars.ContextVar[Optional[_DartsCall]]" = contextvars.ContextVar("darts_call", default=None)
-
-
-def _device_for(layer: nn.Linear, fallback: torch.device) -> torch.device:
-    """Where to send a surgery's inputs: its weights' device, or (weights offloaded to ``meta`` by
-    accelerate, whose hook moves inputs itself) where they already are."""
-    device = layer.weight.device
-    return fallback if device.type == "meta" else device
-
-
-def _darts_norm_hook(module, args, output):
-    call = _ACTIVE_CALL.get()
-    if call is None or module is not call.norm:  # e.g. model.model(...) called directly: no correction
-        return output
-    if call.route is not None and call.route.routed is None:
-        call.groups = call.route.resolve(output)
-    if not call.groups:  # every row routed to "none"
-        return output
-    positions = call.position_ids.to(output.device).expand(output.shape[:-1])
-
-    def corrected(surgery, hidden, pos):
-        device = _device_for(surgery.down, hidden.device)
-        return surgery(hidden.to(device), pos.to(device)).to(hidden.device)
-
-    if call.groups[0][1] is None:  # one domain for the whole batch
-        return corrected(call.groups[0][0], output, positions)
-    result = output.clone()  # hidden-sized; rows of "none" keep the merged model's state
-    for surgery, rows in call.groups:
-        rows = rows.to(output.device)
-        result.index_copy_(0, rows, corrected(surgery, output.index_select(0, rows), positions.index_select(0, rows)))
-    return result
-
-
-# Tokens per head-correction chunk: the float32 correction is made and added chunk by chunk, so its
-# memory is ~HEAD_CHUNK_TOKENS x vocab floats (32 MB at a 32k vocabulary) whatever the batch and length.
-HEAD_CHUNK_TOKENS = 256
-
-
-def _darts_head_hook(module, args, output):
-    call = _ACTIVE_CALL.get()
-    if call is None or module is not call.head or not call.groups or call.groups[0][0].head_rank == 0:
-        return output
-    if not output.is_contiguous():  # the in-place sums below work on a flat view
-        output = output.contiguous()
-    vocab = output.shape[-1]
-    hidden = args[0].reshape(-1, args[0].shape[-1])  # [tokens, H]: the corrected h_hat fed to the head
-    logits = output.view(-1, vocab)
-    per_row = logits.shape[0] // output.shape[0]
-    if output.dtype == torch.float32:  # one float32 chunk, never more than the logits themselves
-        chunk = min(HEAD_CHUNK_TOKENS, logits.shape[0])
-    else:  # the float32 chunk and the float32 copy the mixed-dtype add makes: together <= the logits
-        chunk = max(1, min(HEAD_CHUNK_TOKENS // 2, logits.shape[0] * output.element_size() // 8))
-    for surgery, rows in call.groups:
-        if surgery.head_up.weight.shape[0] != vocab:
-            raise ValueError(
-                f"darts: a head correction was trained for a vocabulary of {surgery.head_up.weight.shape[0]} "
-                f"tokens but the LM head now has {vocab} (resized embeddings?); use darts_domain='none' or "
-                "retrain the surgery"
-            )
-        device = _device_for(surgery.head_down, hidden.device)
-        spans = [(0, logits.shape[0])] if rows is None else [(r * per_row, (r + 1) * per_row) for r in rows.tolist()]
-        for start, stop in spans:
-            for begin in range(start, stop, chunk):
-                end = min(begin + chunk, stop)
-                correction = surgery.head_correction(hidden[begin:end].to(device)).to(output.device)
-                _add_in_place(logits[begin:end], correction)
-                del correction  # before the next chunk is made: one chunk alive at a time
-    return output
-
-
-def _add_in_place(logits: torch.Tensor, correction: torch.Tensor) -> None:
-    """logits += correction with the sum in float32 and no new logits-sized tensor: float32 logits
-    take it directly; lower-precision logits get (correction + logits) rounded once into place."""
-    if logits.dtype == torch.float32:
-        logits.add_(correction)
-    else:
-        logits.copy_(correction.add_(logits))
 
 
 class DartsMixin:
@@ -187,8 +77,14 @@ class DartsMixin:
         shape = SurgeryShape.from_meta(meta) if domains else None
         # darts.router.* (when exported): picks each prompt's domain for "auto"
         router = DomainRouter.from_meta(meta["router"], self.config.hidden_size) if meta.get("router") else None
-        self.darts = DomainModules({name: DomainSurgery.from_shape(shape, self.config.hidden_size, self.config.vocab_size)
+        targets = block_linear_targets(self.model.layers, shape.depth) if shape is not None and shape.depth else None
+        self.darts = DomainModules({name: DomainSurgery.from_shape(shape, self.config.hidden_size,
+                                                                   self.config.vocab_size, targets)
                                     for name in domains}, router)
+        self._darts_depth = shape.depth if shape is not None else 0
+        if self._darts_depth:  # "auto" rows are routed from the input of the first adapted block
+            self.model.layers[len(self.model.layers) - self._darts_depth].register_forward_pre_hook(
+                _darts_route_hook, with_kwargs=True)
         self.model.norm.register_forward_hook(_darts_norm_hook)
         self.lm_head.register_forward_hook(_darts_head_hook)
         self.set_darts_domain(getattr(self.config, "darts_domain", None) or NONE_DOMAIN)
@@ -236,7 +132,10 @@ class DartsMixin:
                 init.zeros_(param)
             init.constant_(module.similarity_mean, 2.0)
             init.ones_(module.similarity_std)
-        elif not any(module is child for surgery in self.darts.values() for child in surgery.children()):
+        elif isinstance(module, BlockAdapter):
+            init.kaiming_uniform_(module.down.weight, a=5**0.5)
+            init.zeros_(module.up.weight)
+        elif not any(module is child for child in self.darts.modules()):
             super()._init_weights(module)
 
     @property
@@ -322,7 +221,11 @@ class DartsMixin:
         if position_ids is None:
             # the position the surgery was trained on: the token's index within its sequence
             position_ids = default_position_ids(embeds.shape[1], attention_mask, cache, embeds.device)
-        token = _ACTIVE_CALL.set(_DartsCall(self.model.norm, self.lm_head, groups, position_ids, route))
+        layers = None
+        if self._darts_depth:
+            install_block_hooks(self.model.layers, next(iter(self.darts.values())))
+            layers = self.model.layers
+        token = _ACTIVE_CALL.set(_DartsCall(self.model.norm, self.lm_head, groups, position_ids, route, layers))
         try:
             outputs = super().forward(**call)
         finally:
@@ -371,8 +274,20 @@ class DartsMixin:
         threshold), exactly as ``darts_domain="auto"`` would at prefill. Changes nothing."""
         self._domain_index(AUTO_DOMAIN)  # a clear error when there is no router
         positions = default_position_ids(input_ids.shape[1], attention_mask, None, input_ids.device)
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                            use_cache=False).last_hidden_state  # final-norm output; no call active: uncorrected
+        seen = {}
+        handle = None
+        if self._darts_depth:  # what the router reads: the first adapted block's input
+            first = self.model.layers[len(self.model.layers) - self._darts_depth]
+            handle = first.register_forward_pre_hook(
+                lambda module, args, kwargs: seen.setdefault("hidden", args[0] if args else kwargs["hidden_states"]),
+                with_kwargs=True)
+        try:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                                use_cache=False).last_hidden_state  # final-norm output; no call active: uncorrected
+        finally:
+            if handle is not None:
+                handle.remove()
+        hidden = seen.get("hidden", hidden)
         router = self.darts.router
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         return [router.domains[i] if i >= 0 else NONE_DOMAIN for i in route_rows(router, hidden, mask).tolist()]

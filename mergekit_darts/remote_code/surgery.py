@@ -12,12 +12,15 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .blocks import BlockTargets, block_adapters, build_block_adapters, float32_linear
+
 METHODS = ("darts", "standard")
 CONTENT_KINDS = ("relu", "linear")
 # Version of the shape description in config.json. 1: written by mergekit-darts 0.1.x (no
-# "format_version" key; ReLU content only). 2: adds "format_version" and "content".
-FORMAT_VERSION = 2
-_SHAPE_KEYS = ("method", "rank", "head_rank", "max_positions", "content")
+# "format_version" key; ReLU content only). 2: adds "format_version" and "content". 3: adds
+# "depth" and "depth_rank" (adapters inside the last decoder blocks, blocks.py).
+FORMAT_VERSION = 3
+_SHAPE_KEYS = ("method", "rank", "head_rank", "max_positions", "content", "depth", "depth_rank")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class SurgeryShape:
     head_rank: int
     max_positions: int
     content: str
+    depth: int = 0  # decoder blocks (the last ones) whose linears carry an adapter
+    depth_rank: int = 0  # rank of those adapters (0 when depth is 0)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -40,8 +45,13 @@ class SurgeryShape:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if type(self.head_rank) is not int or self.head_rank < 0:
-            raise ValueError(f"head_rank: must be an integer >= 0, got {self.head_rank!r}")
+        for name in ("head_rank", "depth", "depth_rank"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+        if (self.depth > 0) != (self.depth_rank > 0):
+            raise ValueError(f"depth_rank: must be > 0 exactly when depth > 0 (depth {self.depth}, "
+                             f"depth_rank {self.depth_rank})")
 
     def to_meta(self) -> dict:
         return {"format_version": FORMAT_VERSION, **{key: getattr(self, key) for key in _SHAPE_KEYS}}
@@ -54,6 +64,8 @@ class SurgeryShape:
         version = meta.get("format_version", 1)
         if version == 1:  # mergekit-darts 0.1.x: ReLU content was the only kind
             meta = {**meta, "content": "relu"}
+        if version in (1, 2):  # before depth existed: the final state only
+            meta = {**meta, "depth": 0, "depth_rank": 0}
         elif version != FORMAT_VERSION:
             raise ValueError(
                 f"config.darts.format_version {version!r} is not supported by this mergekit-darts "
@@ -109,6 +121,8 @@ class DomainSurgery(nn.Module):
         self.head_rank = head_rank
         self.vocab_size = vocab_size
         self.content_kind = content
+        self.blocks: Optional[nn.ModuleDict] = None  # adapters inside decoder blocks (attach_blocks)
+        self.depth_rank = 0
 
         self.down = nn.Linear(hidden_size, rank, bias=False)
         self.up = nn.Linear(rank, hidden_size, bias=False)
@@ -125,14 +139,36 @@ class DomainSurgery(nn.Module):
         self.reset_parameters()
 
     @classmethod
-    def from_shape(cls, shape: SurgeryShape, hidden_size: int, vocab_size: Optional[int]) -> "DomainSurgery":
-        return cls(hidden_size=hidden_size, rank=shape.rank, max_positions=shape.max_positions,
-                   method=shape.method, head_rank=shape.head_rank, vocab_size=vocab_size, content=shape.content)
+    def from_shape(cls, shape: SurgeryShape, hidden_size: int, vocab_size: Optional[int],
+                   block_targets: Optional[BlockTargets] = None) -> "DomainSurgery":
+        """``block_targets`` (blocks.block_linear_targets of the model): required when ``shape.depth > 0``."""
+        module = cls(hidden_size=hidden_size, rank=shape.rank, max_positions=shape.max_positions,
+                     method=shape.method, head_rank=shape.head_rank, vocab_size=vocab_size, content=shape.content)
+        if shape.depth:
+            if block_targets is None or len(block_targets) != shape.depth:
+                raise ValueError(f"depth: the shape adapts {shape.depth} decoder block(s); pass the linears of "
+                                 "that many blocks (block_linear_targets)")
+            module.attach_blocks(block_targets, shape.depth_rank)
+        return module
+
+    def attach_blocks(self, targets: BlockTargets, rank: int) -> None:
+        """Add an identity-initialised adapter of rank ``rank`` to every linear in ``targets``."""
+        self.blocks = build_block_adapters(targets, rank)
+        self.depth_rank = rank
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.blocks is None else len(self.blocks)
+
+    def block_adapters(self):
+        """(layer index, path in the block, BlockAdapter) of every adapter; nothing when depth is 0."""
+        return () if self.blocks is None else tuple(block_adapters(self.blocks))
 
     @property
     def shape(self) -> SurgeryShape:
         return SurgeryShape(method=self.method, rank=self.rank, head_rank=self.head_rank,
-                            max_positions=self.max_positions, content=self.content_kind)
+                            max_positions=self.max_positions, content=self.content_kind, depth=self.depth,
+                            depth_rank=self.depth_rank)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -152,14 +188,7 @@ class DomainSurgery(nn.Module):
         ``torch.autocast`` (which would otherwise run its linears in bfloat16/float16)."""
         return torch.autocast(device_type=tensor.device.type, enabled=False)
 
-    @staticmethod
-    def _linear32(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
-        """``layer(inputs)`` in float32. The layer is *called* (not its ``.weight`` read) so hooks that
-        load offloaded weights (accelerate cpu/disk offload) run; a layer cast away from float32 (e.g.
-        ``model.half()``) is upcast on the fly."""
-        if layer.weight.dtype == torch.float32:
-            return layer(inputs)
-        return nn.functional.linear(inputs, layer.weight.float())
+    _linear32 = staticmethod(float32_linear)
 
     def content(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """c(h) = up(ReLU(down(h))) (or up(down(h)) for linear content) in float32: the part subtracted."""
@@ -211,190 +240,9 @@ class DomainSurgery(nn.Module):
         return (
             f"method={self.method}, hidden_size={self.hidden_size}, rank={self.rank}, "
             f"max_positions={self.max_positions}, head_rank={self.head_rank}, content={self.content_kind}"
+            + (f", depth={self.depth}, depth_rank={self.depth_rank}" if self.blocks is not None else "")
         )
 
 
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-# --- automatic domain routing (docs/routing.md) ------------------------------------------------
-
-# Version of the router description in config.json's darts entry ("router" key).
-ROUTER_VERSION = 1
-ROUTER_POOLING = "mean_l2"  # masked mean over the prompt tokens, then L2 normalisation
-ROUTER_KINDS = ("centroid", "logistic")  # how weight/bias were trained (the math at inference is the same)
-NO_ROUTE = -1  # route() value of a row that falls back to the plain merge ("none")
-_ROUTER_KEYS = ("version", "domains", "threshold", "pooling", "kind")
-
-
-def pool_prompt_states(hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``normalize(sum_t m_t h_t / sum_t m_t)``: [B, T, H] states, [B, T] mask -> [B, H] float32 unit
-    vectors. Padding (left or right) is excluded by the mask; an all-padding row pools to zeros."""
-    h = hidden_states.float()
-    if attention_mask is None:
-        mask = torch.ones(h.shape[:2], dtype=torch.float32, device=h.device)
-    else:
-        if tuple(attention_mask.shape) != tuple(h.shape[:2]):
-            raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} does not match "
-                             f"hidden_states {tuple(h.shape[:2])}")
-        mask = attention_mask.to(device=h.device, dtype=torch.float32)
-    mean = (h * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)
-    return nn.functional.normalize(mean, dim=-1)
-
-
-class DomainRouter(nn.Module):
-    """Picks a domain for each prompt from the merged model's own final hidden states.
-
-    With ``h`` the final-norm output [B, T, H] and ``m`` the attention mask [B, T] (1 at real tokens):
-
-    1. pool:   ``p = normalize(sum_t m_t h_t / sum_t m_t)`` (float32; L2 norm; padding, left or
-       right, is excluded by the mask, so where it sits does not matter);
-    2. class:  ``k = argmax_d (p @ weight.T + bias)_d``  (weight [D, H], bias [D]);
-    3. gate:   ``s = p . centroids[k]`` (cosine similarity to the domain's unit centroid),
-       ``z = (s - similarity_mean[k]) / similarity_std[k]`` (mean and std of that similarity over the
-       domain's own training prompts) and ``confidence = 1 / (1 + min(z, 0)^2)``: Cantelli's
-       one-sided bound on the share of the domain's prompts that are at least this far below the
-       domain's mean similarity, whatever their distribution (1 for a typical or closer prompt);
-    4. route:  ``k`` if ``confidence >= threshold`` else ``-1`` ("none": the plain merged model).
-
-    ``kind`` records how weight/bias were trained: ``"centroid"`` (weight = centroids, bias = 0:
-    nearest centroid by cosine) or ``"logistic"`` (multinomial logistic regression on standardised
-    pooled states, the standardisation folded into weight/bias). Under accelerate offloading the
-    parameters are only materialised inside ``forward``: call the module (``router(h, mask)``),
-    not ``route``/``scores`` directly.
-    """
-
-    def __init__(self, hidden_size: int, domains, threshold: float = 0.02, kind: str = "centroid",
-                 pooling: str = ROUTER_POOLING):
-        super().__init__()
-        domains = list(domains)
-        if not domains or len(set(domains)) != len(domains):
-            raise ValueError(f"domains: need at least one domain and unique names, got {domains}")
-        if not isinstance(hidden_size, int) or hidden_size <= 0:
-            raise ValueError(f"hidden_size: must be a positive integer, got {hidden_size!r}")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"router.threshold: must be a number in [0, 1], got {threshold!r}")
-        if kind not in ROUTER_KINDS:
-            raise ValueError(f"router.kind: unknown router kind {kind!r}; choose one of {ROUTER_KINDS}")
-        if pooling != ROUTER_POOLING:
-            raise ValueError(f"router.pooling: unknown pooling {pooling!r}; this version reads {ROUTER_POOLING!r}")
-        self.hidden_size = hidden_size
-        self.domains = domains
-        self.threshold = float(threshold)
-        self.kind = kind
-        self.pooling = pooling
-        count = len(domains)
-        # Parameters (not buffers) so they load, save and are offloaded like every other darts tensor.
-        self.weight = nn.Parameter(torch.zeros(count, hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(count), requires_grad=False)
-        self.centroids = nn.Parameter(torch.zeros(count, hidden_size), requires_grad=False)
-        self.similarity_mean = nn.Parameter(torch.zeros(count), requires_grad=False)
-        self.similarity_std = nn.Parameter(torch.ones(count), requires_grad=False)
-
-    def to_meta(self) -> dict:
-        return {"version": ROUTER_VERSION, "domains": list(self.domains), "threshold": self.threshold,
-                "pooling": self.pooling, "kind": self.kind}
-
-    @classmethod
-    def from_meta(cls, meta: dict, hidden_size: int) -> "DomainRouter":
-        """Strict: every key present, known version; an unknown future version is an error."""
-        if not isinstance(meta, dict):
-            raise ValueError(f"config.darts.router: expected a mapping, got {type(meta).__name__}")
-        version = meta.get("version")
-        if version != ROUTER_VERSION:
-            raise ValueError(
-                f"config.darts.router.version {version!r} is not supported by this mergekit-darts "
-                f"(it reads version {ROUTER_VERSION}); upgrade mergekit-darts"
-            )
-        missing = [key for key in _ROUTER_KEYS if key not in meta]
-        if missing:
-            raise ValueError(f"config.darts.router: missing {', '.join(missing)}")
-        return cls(hidden_size, meta["domains"], threshold=meta["threshold"], kind=meta["kind"],
-                   pooling=meta["pooling"])
-
-    def pool(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[B, T, H] states, [B, T] mask (None: every token) -> [B, H] unit vectors, float32."""
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got {tuple(hidden_states.shape)}")
-        return pool_prompt_states(hidden_states, attention_mask)
-
-    def scores(self, pooled: torch.Tensor):
-        """(domain index [B] long, confidence [B] float32 in [0, 1]) before the threshold."""
-        p = pooled.float().to(self.weight.device)
-        logits = p @ self.weight.float().t() + self.bias.float()
-        chosen = logits.argmax(dim=-1)
-        similarity = (p * self.centroids.float()[chosen]).sum(dim=-1)
-        spread = self.similarity_std.float()[chosen].clamp_min(1e-6)
-        standard = (similarity - self.similarity_mean.float()[chosen]) / spread
-        # Cantelli's one-sided bound P(Z <= -k) <= 1 / (1 + k^2): holds for any distribution of the
-        # domain's similarities, so heavy tails of real prompts do not make in-domain rows look foreign
-        below = standard.clamp(max=0.0)
-        confidence = 1.0 / (1.0 + below * below)
-        return chosen, confidence
-
-    def route(self, pooled: torch.Tensor) -> torch.Tensor:
-        """[B, H] pooled states -> [B] domain indices, -1 (NO_ROUTE) below the threshold."""
-        chosen, confidence = self.scores(pooled)
-        return torch.where(confidence >= self.threshold, chosen, torch.full_like(chosen, NO_ROUTE))
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        weight_device = self.weight.device
-        mask = attention_mask.to(weight_device) if attention_mask is not None else None
-        return self.route(self.pool(hidden_states.to(weight_device), mask))
-
-    def extra_repr(self) -> str:
-        return (f"domains={self.domains}, hidden_size={self.hidden_size}, kind={self.kind}, "
-                f"threshold={self.threshold}, pooling={self.pooling}")
-
-
-def route_rows(router: DomainRouter, final_hidden: torch.Tensor,
-               attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Each row's domain index (-1 = "none") from the prompt's final hidden states at prefill.
-
-    ``final_hidden`` [B, T, H] is the final norm's output over the prompt; ``attention_mask`` [B, T]
-    marks its real tokens (left padding allowed); None means every token is real. Goes through the
-    module's ``__call__`` so accelerate's offload hooks bring the parameters in. Returns a LongTensor
-    [B] on ``final_hidden``'s device."""
-    with torch.no_grad():
-        return router(final_hidden, attention_mask).to(final_hidden.device)
-
-
-ROUTER_KEY = "router"  # reserved entry of the model's ``darts`` dict: its tensors are darts.router.*
-
-
-class DomainModules(nn.ModuleDict):
-    """The emitted model's ``darts`` child: one ``DomainSurgery`` per domain and, under the reserved key
-    ``"router"``, the ``DomainRouter`` (its tensors load, save and offload as ``darts.router.*``, float32
-    like the domains). Iteration, ``len``, ``in`` and keys/values/items see the domains only; ``.router``
-    is the router or None. Module traversal (state_dict, ``.to``, accelerate) sees both."""
-
-    def __init__(self, domains, router: Optional[DomainRouter] = None):
-        super().__init__(domains)
-        if router is not None:  # not add_module: it refuses a name that is an attribute (the property)
-            self._modules[ROUTER_KEY] = router
-
-    def _domain_keys(self):
-        return [key for key in self._modules if key != ROUTER_KEY]
-
-    def __iter__(self):
-        return iter(self._domain_keys())
-
-    def __len__(self):
-        return len(self._domain_keys())
-
-    def __contains__(self, key):
-        return key != ROUTER_KEY and key in self._modules
-
-    def keys(self):
-        return self._domain_keys()
-
-    def values(self):
-        return [self._modules[key] for key in self._domain_keys()]
-
-    def items(self):
-        return [(key, self._modules[key]) for key in self._domain_keys()]
-
-    @property
-    def router(self) -> Optional[DomainRouter]:
-        return self._modules.get(ROUTER_KEY)

@@ -2,7 +2,7 @@
 
 The router sees what the emitted model sees at prefill: the merged model's final-norm outputs over
 the prompt tokens only (``CapturedDomain.prompt_lengths``; a continued calibration sample's answer
-tokens are left out), pooled by ``remote_code.surgery.pool_prompt_states``. Training is closed-form
+tokens are left out), pooled by ``remote_code.routing.pool_prompt_states``. Training is closed-form
 (nearest centroid) or a few hundred full-batch L-BFGS steps (logistic regression): seconds on CPU,
 deterministic for a given input.
 """
@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mergekit_darts.remote_code.surgery import NO_ROUTE, DomainRouter, pool_prompt_states
+from mergekit_darts.remote_code.routing import NO_ROUTE, DomainRouter, pool_prompt_states
 
 LOG = logging.getLogger(__name__)
 
