@@ -60,6 +60,7 @@ MAX_POSITIONS = 131072  # 128k: the longest context window of common open models
 MAX_STEPS = 10_000_000
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range
 MAX_BATCH = 1 << 20
+MAX_DEPTH = 1024  # decoder layers: more than any released model has
 
 
 def _module_attribute_names() -> frozenset:
@@ -156,6 +157,10 @@ class SurgeryConfig(_Strict):
     patience: StrictInt = Field(8, gt=0, le=MAX_STEPS)
     validation: YamlFloat = Field(0.2, gt=0, lt=1)
     refit: bool = Field(True, strict=True)
+    # adapters inside the merged model's last `depth` decoder blocks (0: the final state only),
+    # rank `depth_rank`, trained from the blocks' cached input (docs/quality.md)
+    depth: StrictInt = Field(0, ge=0, le=MAX_DEPTH)
+    depth_rank: StrictInt = Field(8, gt=0, le=MAX_RANK)
 
     @field_validator("device_map")
     @classmethod
@@ -179,6 +184,13 @@ class SurgeryConfig(_Strict):
             if not ((isinstance(size, int) and size > 0) or (isinstance(size, str) and _MEMORY_SIZE.match(size.strip()))):
                 raise ValueError(f"{device}: size {size!r} must be a byte count or like '20GiB' / '500MB'")
         return value
+
+    @model_validator(mode="after")
+    def _depth_on_one_device(self):
+        if self.depth and self.device_map is not None:
+            raise ValueError("depth > 0 trains the last blocks in memory on one device and is not supported with "
+                             "device_map yet; remove device_map or set depth: 0")
+        return self
 
     @model_validator(mode="after")
     def _max_memory_needs_map(self):

@@ -163,7 +163,7 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
     report["surgery"]["preset_settings"] = preset_settings(surgery)
     for name, data in captured.domains.items():
-        trained = train_domain(name, data, captured.merged_head, surgery, settings)
+        trained = train_domain(name, data, captured.merged_head, surgery, settings, tail=captured.tail)
         modules[name] = trained.module
         report["domains"][name] = trained.entry
         LOG.info("domain %s: %s", name, before_after(trained.entry["bias"], f"{_split_label(trained.entry)} bias"))
@@ -249,6 +249,10 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
         device_map=surgery.device_map, max_memory=surgery.max_memory,
     )
     check_finite_capture(captured, surgery, settings)
+    if surgery.depth:
+        from mergekit_darts.repair.depth import capture_block_inputs
+
+        captured.tail = capture_block_inputs(out_path, captured.domains, surgery, settings)
     return captured
 
 
@@ -259,18 +263,22 @@ class TrainedDomain:
 
 
 def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryConfig,
-                 settings: RunSettings) -> TrainedDomain:
-    """Train one domain's module on its cached states and measure it on the held-out records."""
+                 settings: RunSettings, tail=None) -> TrainedDomain:
+    """Train one domain's module on its cached states and measure it on the held-out records.
+    ``tail`` (``depth > 0``): the frozen last blocks; the module then reads ``data.block_inputs``."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
     from mergekit_darts.repair.capture import resolve_device
+    from mergekit_darts.repair.depth import TailSurgery
     from mergekit_darts.repair.report import bias_by_position, domain_verdict
     from mergekit_darts.repair.selection import fit
 
     started = time.perf_counter()
     device = resolve_device(settings.device)
     kl = surgery.loss == "kl"
+    # what the module reads: the final states, or with depth the first adapted block's input
+    inputs = data.block_inputs if tail is not None else data.merged_hidden
     tensors = {
-        "merged": data.merged_hidden, "target": data.expert_hidden, "mask": data.attention_mask,
+        "merged": inputs, "target": data.expert_hidden, "mask": data.attention_mask,
         "position_ids": data.position_ids, "entropy": data.expert_entropy,
     }
     rows = split_rows(data, surgery, settings.seed)
@@ -283,10 +291,17 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         return part
 
     shape = SurgeryShape(method=surgery.method, rank=surgery.rank, head_rank=surgery.head_rank,
-                         max_positions=surgery.max_positions, content=surgery.content)
+                         max_positions=surgery.max_positions, content=surgery.content,
+                         depth=surgery.depth, depth_rank=surgery.depth_rank if surgery.depth else 0)
+
+    def make_module():
+        module = DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
+                                          vocab_size=merged_head.shape[0],
+                                          block_targets=tail.targets if tail is not None else None)
+        return TailSurgery(tail, module.to(device)) if tail is not None else module
+
     fitted = fit(
-        lambda: DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
-                                         vocab_size=merged_head.shape[0]),
+        make_module,
         on_device(train_idx), on_device(rows["validation"]) if rows["validation"].numel() else None,
         loss=surgery.loss, steps=surgery.steps, lrs=list(surgery.lr_candidates or [surgery.lr]),
         early_stopping=surgery.early_stopping, eval_every=surgery.eval_every, patience=surgery.patience,
@@ -298,8 +313,9 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         kl_options={"kl_target": surgery.kl_target, "kl_top_k": surgery.kl_top_k,
                     "kl_precision": surgery.kl_precision, "kl_positions_per_step": surgery.kl_positions_per_step},
     )
-    module, history = fitted.module, fitted.history
-    module = module.cpu().eval()
+    history = fitted.history
+    measured = fitted.module.eval()  # what the held-out numbers are measured with (with depth: tail + surgery)
+    module = measured.surgery if tail is not None else measured  # what is exported
     entry: Dict[str, Any] = {
         "expert": surgery.domains[name].model,
         "calibration": {"train": int(train_idx.numel()), "held_out": int(held_idx.numel()),
@@ -313,8 +329,9 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     eval_idx = held_idx if held_idx.numel() else train_idx
     entry["bias_split"] = "held_out" if held_idx.numel() else "train"
     held = {k: v[eval_idx] for k, v in tensors.items()}
+    held["input"], held["merged"] = held["merged"], data.merged_hidden[eval_idx]
     with torch.no_grad():
-        corrected = module(held["merged"].float(), held["position_ids"])
+        corrected = measured(held["input"].float().to(device), held["position_ids"].to(device)).cpu()
     check_finite_training(name, module, corrected, surgery)
     entry["bias"] = bias_by_position(
         held["merged"].float(), held["target"].float(), held["mask"], held["position_ids"],
@@ -322,7 +339,9 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     )
     # whatever the training loss, report how much of the expert's next-token distribution the
     # correction recovers: the quantity that decides generation (docs/design.md §3)
-    entry["held_out_kl"] = held_out_kl(module, held, data.expert_head, merged_head, surgery.kl_chunk_size)
+    entry["held_out_kl"] = held_out_kl(measured, {k: v.to(device) for k, v in held.items()},
+                                       data.expert_head.to(device), merged_head.to(device), surgery.kl_chunk_size)
+    module.cpu()
     entry["verdict"] = domain_verdict(entry, surgery.loss)
     return TrainedDomain(module=module, entry=entry)
 
@@ -334,12 +353,27 @@ def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSe
 
     # the greedy rows only: a sampled continuation repeats its prompt, whose pooled state would then
     # sit on both sides of the router's held-out split
-    pooled = {name: pooled_prompts(data)[:prompt_count(data)] for name, data in captured.domains.items()}
+    # with depth the router reads the first adapted block's input (where the emitted model routes)
+    pooled = {name: pooled_prompts(_router_view(data))[:prompt_count(data)] for name, data in captured.domains.items()}
     splits = {name: split_held_out(rows.shape[0], surgery.held_out, settings.seed) for name, rows in pooled.items()}
     eval_pooled = None
     if surgery.router_eval is not None:
-        eval_pooled = pooled_prompts(_capture_router_eval(out_path, surgery, settings))
+        eval_data = _capture_router_eval(out_path, surgery, settings)
+        if surgery.depth:
+            from mergekit_darts.repair.depth import capture_block_inputs
+
+            capture_block_inputs(out_path, {"router_eval": eval_data}, surgery, settings, check_replay=False)
+        eval_pooled = pooled_prompts(_router_view(eval_data))
     return train_router(pooled, splits, surgery.router_threshold, eval_pooled=eval_pooled)
+
+
+def _router_view(data):
+    """The captured domain as the router sees it: its merged states where the emitted model routes."""
+    import dataclasses
+
+    if getattr(data, "block_inputs", None) is None:
+        return data
+    return dataclasses.replace(data, merged_hidden=data.block_inputs)
 
 
 def _capture_router_eval(out_path: str, surgery: SurgeryConfig, settings: RunSettings):

@@ -76,6 +76,11 @@ def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False
 
 
 def check_foldable(shape: SurgeryShape, drop_position_bias: bool) -> None:
+    if shape.depth:
+        raise FoldError(
+            f"depth: {shape.depth} — adapters inside decoder blocks change the blocks, not the LM head, and cannot "
+            "be folded into it; serve the directory with trust_remote_code, or retrain with depth: 0"
+        )
     if shape.content != "linear":
         raise FoldError(
             f"content: {shape.content!r} — a ReLU content correction is not linear and cannot be folded into the "

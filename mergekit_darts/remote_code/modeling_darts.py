@@ -279,7 +279,7 @@ class DartsMixin:
         if self._darts_depth:  # what the router reads: the first adapted block's input
             first = self.model.layers[len(self.model.layers) - self._darts_depth]
             handle = first.register_forward_pre_hook(
-                lambda module, args, kwargs: seen.setdefault("hidden", args[0] if args else kwargs["hidden_states"]),
+                lambda module, args, kwargs: seen.update(hidden=args[0] if args else kwargs["hidden_states"]),
                 with_kwargs=True)
         try:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,

@@ -43,6 +43,8 @@ class CapturedDomain:
     # [N] tokens of each row that are its prompt; the rest (up to the mask's end) is the expert's
     # continuation. From the tokenization, not the cache, so the cache format is unchanged.
     prompt_lengths: Optional[torch.LongTensor] = None
+    # [N, T, H] float32 input of the first adapted decoder block (``depth > 0`` only, repair/depth.py)
+    block_inputs: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -63,6 +65,7 @@ class DomainCaptureSpec:
 class CaptureResult:
     domains: Dict[str, CapturedDomain]
     merged_head: torch.Tensor  # [V, H]
+    tail: Optional[torch.nn.Module] = None  # depth > 0: the frozen last blocks (repair/depth.FrozenTail)
 
 
 @dataclass

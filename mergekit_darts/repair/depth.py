@@ -1,0 +1,192 @@
+"""``depth: k``: train adapters inside the merged model's last k decoder blocks from cached inputs
+(docs/quality.md, "Deeper correction").
+
+The capture keeps, per domain, the input of the first adapted block ([N, T, H]) and one frozen float32
+copy of the last k blocks, the final norm and the rotary embedding (``FrozenTail``). A training step
+runs only those k blocks (with the domain's adapters hooked onto their linears) and the final-state
+correction, never the whole model. The emitted model applies the same adapters through hooks
+(remote_code/hooks.py), so what is trained here is what loads.
+"""
+
+import copy
+import logging
+from contextlib import contextmanager
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from mergekit_darts.config import SurgeryConfigError
+from mergekit_darts.remote_code.blocks import block_linear_targets
+
+LOG = logging.getLogger(__name__)
+
+# Replaying the cached block input through the copied blocks must give the captured final states:
+# mean |difference| over mean |state|, above which the blocks need arguments we do not pass.
+REPLAY_TOLERANCE = 1e-2
+
+
+class FrozenTail(nn.Module):
+    """The merged model's last ``depth`` decoder blocks, final norm and rotary embedding (float32,
+    frozen), run from a block input of right-padded rows with ``arange`` positions."""
+
+    def __init__(self, model, depth: int):
+        super().__init__()
+        layers = model.model.layers
+        self.targets = block_linear_targets(layers, depth)
+        self.first = len(layers) - depth
+        self.layers = copy.deepcopy(layers[self.first:]).float()
+        self.norm = copy.deepcopy(model.model.norm).float()
+        self.rotary = copy.deepcopy(model.model.rotary_emb).float()
+        config = model.config
+        uses_window = getattr(config, "use_sliding_window", True) is not False
+        self.sliding_window = getattr(config, "sliding_window", None) if uses_window else None
+        self.requires_grad_(False).eval()
+
+    def attention_mask(self, length: int, device) -> torch.Tensor:
+        """Additive causal mask [1, 1, T, T] (with the sliding window where the config has one).
+        Padding needs no mask: rows are right padded, so a real token never attends to padding."""
+        query = torch.arange(length, device=device).unsqueeze(1)
+        key = torch.arange(length, device=device).unsqueeze(0)
+        allowed = key <= query
+        if self.sliding_window:
+            allowed &= key > query - self.sliding_window
+        mask = torch.zeros(length, length, device=device)
+        return mask.masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.float()
+        mask = self.attention_mask(hidden.shape[1], hidden.device)
+        position_ids = position_ids.to(hidden.device)
+        embeddings = self.rotary(hidden, position_ids)
+        for layer in self.layers:
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=embeddings,
+                        use_cache=False)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return self.norm(hidden)
+
+
+@contextmanager
+def adapters_on(tail: FrozenTail, surgery):
+    """The domain's block adapters added to the tail's linears while the context is open."""
+    handles = []
+    try:
+        for index, path, adapter in surgery.block_adapters():
+            linear = tail.layers[index - tail.first].get_submodule(path)
+            handles.append(linear.register_forward_hook(
+                lambda module, args, out, adapter=adapter: out + adapter(args[0]).to(out.dtype)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class TailSurgery(nn.Module):
+    """What training sees for a domain with depth: block input -> last blocks with the domain's
+    adapters -> final norm -> ``DomainSurgery``. Only ``surgery`` is a submodule (its parameters are
+    trained, saved and copied); the frozen tail is shared by every domain and candidate."""
+
+    def __init__(self, tail: FrozenTail, surgery):
+        super().__init__()
+        self.surgery = surgery
+        object.__setattr__(self, "tail", tail)  # not registered: not trained, not in state_dict
+
+    @property
+    def hidden_size(self) -> int:
+        return self.surgery.hidden_size
+
+    @property
+    def head_rank(self) -> int:
+        return self.surgery.head_rank
+
+    @property
+    def position_bias(self):
+        return self.surgery.position_bias
+
+    def head_correction(self, corrected_hidden):
+        return self.surgery.head_correction(corrected_hidden)
+
+    def content(self, hidden):
+        return self.surgery.content(hidden)
+
+    def final_states(self, block_input: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The final norm's output with the adapters on: what the surgery module then corrects."""
+        with adapters_on(self.tail, self.surgery):
+            return self.tail(block_input.to(next(self.surgery.parameters()).device), position_ids)
+
+    def forward(self, block_input: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.surgery(self.final_states(block_input, position_ids), position_ids)
+
+
+def final_states(module, inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The final state the module's own correction starts from (its input when it has no depth)."""
+    return module.final_states(inputs, position_ids) if isinstance(module, TailSurgery) else inputs
+
+
+def check_depth(surgery, layers: int) -> None:
+    if surgery.depth > layers:
+        raise SurgeryConfigError(f"surgery.depth: {surgery.depth} exceeds the merged model's {layers} decoder "
+                                 f"layers; use at most {layers}")
+
+
+@torch.no_grad()
+def capture_block_inputs(model_dir: str, domains: Dict[str, object], surgery, settings,
+                         check_replay: bool = True) -> FrozenTail:
+    """Set ``block_inputs`` ([N, T, H] float32, zero at padding) on each captured domain of ``domains``
+    and return the frozen tail. Loads the merged model once, in float32 on the training device.
+    ``check_replay``: the tail run from the block inputs must reproduce the captured final states."""
+    from transformers import AutoModelForCausalLM
+
+    from mergekit_darts.repair.capture import resolve_device
+
+    device = resolve_device(settings.device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 trust_remote_code=settings.trust_remote_code).to(device).eval()
+    try:
+        check_depth(surgery, len(model.model.layers))
+        tail = FrozenTail(model, surgery.depth).to(device)
+        first = model.model.layers[tail.first]
+        for name, data in domains.items():
+            data.block_inputs = _block_inputs(model, first, data, surgery.capture_batch_size, device)
+            if check_replay:
+                _check_replay(name, tail, data, surgery.capture_batch_size)
+    finally:
+        del model
+    LOG.info("depth %d: block inputs captured for %d domain(s)", surgery.depth, len(domains))
+    return tail
+
+
+def _block_inputs(model, first: nn.Module, data, batch_size: int, device) -> torch.Tensor:
+    seen = []
+    handle = first.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    parts = []
+    try:
+        for start in range(0, data.input_ids.shape[0], batch_size):
+            rows = slice(start, start + batch_size)
+            seen.clear()
+            model.model(input_ids=data.input_ids[rows].to(device), attention_mask=data.attention_mask[rows].long().to(device),
+                        position_ids=data.position_ids[rows].to(device), use_cache=False)
+            parts.append(seen[-1].float().cpu() * data.attention_mask[rows].unsqueeze(-1))
+    finally:
+        handle.remove()
+    return torch.cat(parts)
+
+
+def _check_replay(name: str, tail: FrozenTail, data, batch_size: int) -> None:
+    mask = data.attention_mask.bool()
+    worst: Optional[float] = None
+    for start in range(0, mask.shape[0], batch_size):
+        rows = slice(start, start + batch_size)
+        device = tail.norm.weight.device
+        replayed = tail(data.block_inputs[rows].to(device), data.position_ids[rows]).cpu()
+        valid = mask[rows]
+        captured = data.merged_hidden[rows].float()[valid]
+        error = float((replayed[valid] - captured).abs().mean() / captured.abs().mean().clamp_min(1e-12))
+        worst = error if worst is None else max(worst, error)
+    if worst is not None and worst > REPLAY_TOLERANCE:
+        raise SurgeryConfigError(
+            f"surgery.depth: running the last {len(tail.layers)} decoder block(s) from their cached input does "
+            f"not reproduce the merged model's final states for domain {name!r} (relative error {worst:.3g}); "
+            "this architecture's blocks need arguments mergekit-darts does not pass. Use depth: 0."
+        )

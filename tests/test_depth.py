@@ -1,0 +1,152 @@
+"""``depth: k``: adapters inside the last decoder blocks, trained from cached block inputs and applied
+by the emitted model per row, with routing from the first adapted block (docs/quality.md)."""
+
+import shutil
+
+import pytest
+import torch
+
+from helpers import QUICK_TEXTS, merge_yaml
+
+DEPTH_SURGERY = ("surgery:\n  rank: 2\n  max_positions: 16\n  steps: {steps}\n  lr: 0.01\n  device: cpu\n"
+                 "  dtype: float32\n  loss: kl\n  depth: {depth}\n  depth_rank: 2\n  held_out: 0.34\n"
+                 "  cache_dir: {cache}\n  domains:\n")
+
+
+def depth_config(family, cache, depth=1, steps=20, extra=""):
+    blocks = "".join(f"    {name}:\n      model: {family[name]}\n"
+                     f"      calibration: {{texts: {QUICK_TEXTS[name]}, samples: 3}}\n" for name in ("math", "code"))
+    return merge_yaml(family) + DEPTH_SURGERY.format(steps=steps, depth=depth, cache=cache) + extra + blocks
+
+
+@pytest.fixture(scope="module")
+def depth_output(tiny_family, tmp_path_factory):
+    """The tiny merge repaired with depth 1 (math and code, router on): (out dir, report)."""
+    from mergekit_darts.pipeline import run_surgery
+
+    root = tmp_path_factory.mktemp("depth")
+    out = root / "out"
+    shutil.copytree(tiny_family["merged"], out)
+    report = run_surgery(depth_config(tiny_family, root / "cache"), str(out))
+    return str(out), report
+
+
+def test_block_adapters_start_as_identity_and_train_from_cached_inputs(tiny_family):
+    """An untrained tail + surgery reproduces the merged final states; training moves the adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
+    from mergekit_darts.repair.depth import FrozenTail, TailSurgery, adapters_on
+    from mergekit_darts.repair.train import train_surgery
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_family["merged"], dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 7))
+    seen = {}
+    handle = model.model.layers[-2].register_forward_pre_hook(
+        lambda m, args, kwargs: seen.update(h=args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    with torch.no_grad():
+        final = model.model(input_ids=ids).last_hidden_state
+    handle.remove()
+    tail = FrozenTail(model, 2)
+    shape = SurgeryShape("darts", rank=2, head_rank=0, max_positions=8, content="relu", depth=2, depth_rank=3)
+    surgery = DomainSurgery.from_shape(shape, model.config.hidden_size, model.config.vocab_size, tail.targets)
+    assert surgery.shape == shape and len(surgery.block_adapters()) == 2 * 7  # q k v o gate up down per block
+    positions = torch.arange(7).expand(3, 7)
+    module = TailSurgery(tail, surgery)
+    with torch.no_grad():
+        torch.testing.assert_close(module.final_states(seen["h"], positions), final, atol=1e-5, rtol=1e-5)
+    assert set(module.state_dict()) == {f"surgery.{k}" for k in surgery.state_dict()}  # the tail is not saved
+    target = final + 0.5 * torch.randn_like(final)
+    train_surgery(module, seen["h"], target, torch.ones(3, 7, dtype=torch.bool), positions, loss="mse", steps=30, lr=0.01)
+    moved = [float(adapter.up.weight.abs().max()) for _, _, adapter in surgery.block_adapters()]
+    assert all(value > 0 for value in moved)
+    with torch.no_grad(), adapters_on(tail, surgery):
+        assert not torch.allclose(tail(seen["h"], positions), final, atol=1e-4)
+
+
+def test_pipeline_exports_depth_and_the_emitted_model_matches_training(depth_output):
+    """The saved adapters load through the remote code and give exactly the trained computation."""
+    from transformers import AutoModelForCausalLM
+
+    from mergekit_darts.output import layout
+    from mergekit_darts.output.export import read_darts_info
+
+    out, report = depth_output
+    meta = layout.read_darts_entry(out)
+    assert meta["depth"] == 1 and meta["depth_rank"] == 2 and meta["format_version"] == 3
+    assert report["surgery"]["depth"] == 1
+    for name in ("math", "code"):
+        kl = report["domains"][name]["held_out_kl"]
+        assert kl["after"] < kl["before"], (name, kl)
+    header = layout.safetensors_header(f"{out}/{layout.DARTS_SHARD}")
+    assert "darts.math.blocks.1.self_attn.q_proj.down.weight" in header
+    assert "darts.code.blocks.1.mlp.down_proj.up.weight" in header
+    assert read_darts_info(out)["depth"] == 1
+
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        corrected = model(ids, darts_domain="math").logits
+        plain = model(ids, darts_domain="none").logits
+        # the same computation by hand: block 1's linears + adapters, final norm, surgery, head
+        surgery = model.darts["math"]
+        handles = [model.model.layers[i].get_submodule(p).register_forward_hook(
+            lambda m, a, o, ad=ad: o + ad(a[0])) for i, p, ad in surgery.block_adapters()]
+        final = model.model(input_ids=ids).last_hidden_state
+        for handle in handles:
+            handle.remove()
+        by_hand = model.lm_head(surgery(final, torch.arange(6).expand(2, 6)))
+    torch.testing.assert_close(corrected, by_hand, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(corrected, plain, atol=1e-4)
+    # loading twice hooks each linear once (the hooks are installed at the first forward)
+    with torch.no_grad():
+        again = model(ids, darts_domain="math").logits
+    torch.testing.assert_close(again, corrected)
+    hooked = model.model.layers[1].self_attn.q_proj
+    assert len(hooked._forward_hooks) == 1
+
+
+def test_depth_mixed_rows_cache_and_auto_routing(depth_output):
+    """Per-row domains, the KV cache and "auto" (routed from block 1's input) with block adapters."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = depth_output
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (3, 5))
+    rows = ["math", "none", "code"]
+    with torch.no_grad():
+        mixed = model(ids, darts_domain=rows).logits
+        for i, name in enumerate(rows):
+            torch.testing.assert_close(mixed[i], model(ids[i:i + 1], darts_domain=name).logits[0], atol=1e-5, rtol=1e-5)
+        generated = model.generate(ids, max_new_tokens=4, do_sample=False, darts_domain=rows)
+        no_cache = model.generate(ids, max_new_tokens=4, do_sample=False, darts_domain=rows, use_cache=False)
+    assert torch.equal(generated, no_cache)
+    tokenizer_free = torch.tensor([[5, 6, 7, 8, 9]])
+    routed = model.route_domains(tokenizer_free)
+    with torch.no_grad():
+        auto = model(tokenizer_free, darts_domain="auto").logits
+        fixed = model(tokenizer_free, darts_domain=routed[0]).logits
+    torch.testing.assert_close(auto, fixed)
+
+
+def test_depth_bake_refuses_and_config_checks(depth_output, tiny_family, tmp_path):
+    from mergekit_darts.config import SurgeryConfigError, parse_surgery_block
+    from mergekit_darts.errors import FoldError
+    from mergekit_darts.output.bake import bake
+    from mergekit_darts.pipeline import run_surgery
+
+    out, _ = depth_output
+    with pytest.raises(FoldError, match="depth"):
+        bake(out, "math", str(tmp_path / "baked"))
+    assert not (tmp_path / "baked").exists()
+    domains = {"math": {"model": "m", "calibration": {"texts": ["a"]}}}
+    with pytest.raises(SurgeryConfigError, match="depth"):
+        parse_surgery_block({"depth": 1, "device_map": "auto", "domains": domains})
+    with pytest.raises(SurgeryConfigError, match="depth"):
+        parse_surgery_block({"depth": -1, "domains": domains})
+    merged = tmp_path / "merged"
+    shutil.copytree(tiny_family["merged"], merged)
+    before = sorted(p.name for p in merged.iterdir())
+    with pytest.raises(SurgeryConfigError, match="surgery.depth: 9 exceeds .* 2 decoder layers"):
+        run_surgery(depth_config(tiny_family, tmp_path / "cache", depth=9, steps=1), str(merged))
+    assert sorted(p.name for p in merged.iterdir()) == before
