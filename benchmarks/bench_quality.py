@@ -42,7 +42,8 @@ def _calibration_overrides(config_source: str, overrides: dict):
 def run_variant(demo_dir: str, name: str, overrides: dict, score: bool, test=None) -> dict:
     import torch
 
-    from mergekit_darts.pipeline import capture_step, export_step, parse_config_source, router_step, train_domain
+    from mergekit_darts.pipeline import capture_step, export_step, parse_config_source, router_step
+    from mergekit_darts.repair.domain import train_domain
     from mergekit_darts.settings import RunSettings
 
     with open(os.path.join(demo_dir, "demo.yml")) as handle:
@@ -60,7 +61,7 @@ def run_variant(demo_dir: str, name: str, overrides: dict, score: bool, test=Non
     for domain, data in captured.domains.items():
         torch.manual_seed(settings.seed)
         start = time.perf_counter()
-        trained = train_domain(domain, data, captured.merged_head, surgery, settings)
+        trained = train_domain(domain, data, captured.merged_head, surgery, settings, tail=captured.tail)
         seconds = time.perf_counter() - start
         modules[domain] = trained.module
         report["domains"][domain] = trained.entry

@@ -11,8 +11,6 @@ import logging
 import os
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -20,7 +18,7 @@ import yaml
 
 from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
                                    split_yaml)
-from mergekit_darts.repair.heldout import held_out_kl, prompt_count, split_held_out, split_rows
+from mergekit_darts.repair.heldout import prompt_count, split_held_out
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -162,6 +160,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
                            "domains": {}}
     # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
     report["surgery"]["preset_settings"] = preset_settings(surgery)
+    from mergekit_darts.repair.domain import train_domain
+
     for name, data in captured.domains.items():
         trained = train_domain(name, data, captured.merged_head, surgery, settings, tail=captured.tail)
         modules[name] = trained.module
@@ -210,17 +210,6 @@ def check_finite_capture(captured, surgery: SurgeryConfig, settings: RunSettings
                 )
 
 
-def check_finite_training(name: str, module, corrected: torch.Tensor, surgery: SurgeryConfig) -> None:
-    """A diverged correction is never exported (it would load, and generate garbage)."""
-    bad = [key for key, value in module.state_dict().items() if not bool(torch.isfinite(value).all())]
-    if bad or not bool(torch.isfinite(corrected).all()):
-        what = f"non-finite parameters {bad}" if bad else "non-finite corrected states"
-        raise SurgeryConfigError(
-            f"surgery.domains.{name}: training diverged ({what}); lower surgery.lr (now {surgery.lr:g}) "
-            "or surgery.steps"
-        )
-
-
 def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
                  texts: Optional[Dict[str, List[str]]] = None):
     """Calibration texts (chat template applied) → merged and expert final states of every domain."""
@@ -254,96 +243,6 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
 
         captured.tail = capture_block_inputs(out_path, captured.domains, surgery, settings)
     return captured
-
-
-@dataclass
-class TrainedDomain:
-    module: Any  # DomainSurgery, on the CPU, in eval mode
-    entry: Dict[str, Any]  # the domain's part of darts_report.json
-
-
-def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryConfig,
-                 settings: RunSettings, tail=None) -> TrainedDomain:
-    """Train one domain's module on its cached states and measure it on the held-out records.
-    ``tail`` (``depth > 0``): the frozen last blocks; the module then reads ``data.block_inputs``."""
-    from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
-    from mergekit_darts.repair.capture import resolve_device
-    from mergekit_darts.repair.depth import TailSurgery
-    from mergekit_darts.repair.report import bias_by_position, domain_verdict
-    from mergekit_darts.repair.selection import fit
-
-    started = time.perf_counter()
-    device = resolve_device(settings.device)
-    kl = surgery.loss == "kl"
-    # what the module reads: the final states, or with depth the first adapted block's input
-    inputs = data.block_inputs if tail is not None else data.merged_hidden
-    tensors = {
-        "merged": inputs, "target": data.expert_hidden, "mask": data.attention_mask,
-        "position_ids": data.position_ids, "entropy": data.expert_entropy,
-    }
-    rows = split_rows(data, surgery, settings.seed)
-    train_idx, held_idx = rows["train"], rows["held_out"]
-
-    def on_device(index):
-        # promote the cached (often bfloat16) states once, not at every step
-        part = {k: v[index].to(device) for k, v in tensors.items()}
-        part["merged"], part["target"] = part["merged"].float(), part["target"].float()
-        return part
-
-    shape = SurgeryShape(method=surgery.method, rank=surgery.rank, head_rank=surgery.head_rank,
-                         max_positions=surgery.max_positions, content=surgery.content,
-                         depth=surgery.depth, depth_rank=surgery.depth_rank if surgery.depth else 0)
-
-    def make_module():
-        module = DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
-                                          vocab_size=merged_head.shape[0],
-                                          block_targets=tail.targets if tail is not None else None)
-        return TailSurgery(tail, module.to(device)) if tail is not None else module
-
-    fitted = fit(
-        make_module,
-        on_device(train_idx), on_device(rows["validation"]) if rows["validation"].numel() else None,
-        loss=surgery.loss, steps=surgery.steps, lrs=list(surgery.lr_candidates or [surgery.lr]),
-        early_stopping=surgery.early_stopping, eval_every=surgery.eval_every, patience=surgery.patience,
-        weight_decay=surgery.weight_decay, batch_size=surgery.batch_size, seed=settings.seed,
-        expert_head=data.expert_head.to(device, torch.float32) if kl else None,
-        merged_head=merged_head.to(device, torch.float32) if kl else None,
-        chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
-        refit=on_device(rows["refit"]) if surgery.refit and rows["validation"].numel() else None,
-        kl_options={"kl_target": surgery.kl_target, "kl_top_k": surgery.kl_top_k,
-                    "kl_precision": surgery.kl_precision, "kl_positions_per_step": surgery.kl_positions_per_step},
-    )
-    history = fitted.history
-    measured = fitted.module.eval()  # what the held-out numbers are measured with (with depth: tail + surgery)
-    module = measured.surgery if tail is not None else measured  # what is exported
-    entry: Dict[str, Any] = {
-        "expert": surgery.domains[name].model,
-        "calibration": {"train": int(train_idx.numel()), "held_out": int(held_idx.numel()),
-                        "validation": int(rows["validation"].numel()),
-                        "truncated": int(data.truncated), "skipped": int(data.skipped)},
-        "final_loss": history[-1] if history else None,
-        "parameters": count_parameters(module),
-        "selection": fitted.selection,
-        "train_seconds": round(time.perf_counter() - started, 3),
-    }
-    eval_idx = held_idx if held_idx.numel() else train_idx
-    entry["bias_split"] = "held_out" if held_idx.numel() else "train"
-    held = {k: v[eval_idx] for k, v in tensors.items()}
-    held["input"], held["merged"] = held["merged"], data.merged_hidden[eval_idx]
-    with torch.no_grad():
-        corrected = measured(held["input"].float().to(device), held["position_ids"].to(device)).cpu()
-    check_finite_training(name, module, corrected, surgery)
-    entry["bias"] = bias_by_position(
-        held["merged"].float(), held["target"].float(), held["mask"], held["position_ids"],
-        held["entropy"], corrected, max_positions=surgery.max_positions,
-    )
-    # whatever the training loss, report how much of the expert's next-token distribution the
-    # correction recovers: the quantity that decides generation (docs/design.md §3)
-    entry["held_out_kl"] = held_out_kl(measured, {k: v.to(device) for k, v in held.items()},
-                                       data.expert_head.to(device), merged_head.to(device), surgery.kl_chunk_size)
-    module.cpu()
-    entry["verdict"] = domain_verdict(entry, surgery.loss)
-    return TrainedDomain(module=module, entry=entry)
 
 
 def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSettings):

@@ -10,13 +10,13 @@ from helpers import QUICK_TEXTS, merge_yaml
 
 DEPTH_SURGERY = ("surgery:\n  rank: 2\n  max_positions: 16\n  steps: {steps}\n  lr: 0.01\n  device: cpu\n"
                  "  dtype: float32\n  loss: kl\n  depth: {depth}\n  depth_rank: 2\n  held_out: 0.34\n"
-                 "  cache_dir: {cache}\n  domains:\n")
+                 "  cache_dir: {cache}\n")
 
 
 def depth_config(family, cache, depth=1, steps=20, extra=""):
     blocks = "".join(f"    {name}:\n      model: {family[name]}\n"
                      f"      calibration: {{texts: {QUICK_TEXTS[name]}, samples: 3}}\n" for name in ("math", "code"))
-    return merge_yaml(family) + DEPTH_SURGERY.format(steps=steps, depth=depth, cache=cache) + extra + blocks
+    return merge_yaml(family) + DEPTH_SURGERY.format(steps=steps, depth=depth, cache=cache) + extra + "  domains:\n" + blocks
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_block_adapters_start_as_identity_and_train_from_cached_inputs(tiny_fami
     assert set(module.state_dict()) == {f"surgery.{k}" for k in surgery.state_dict()}  # the tail is not saved
     target = final + 0.5 * torch.randn_like(final)
     train_surgery(module, seen["h"], target, torch.ones(3, 7, dtype=torch.bool), positions, loss="mse", steps=30, lr=0.01)
-    moved = [float(adapter.up.weight.abs().max()) for _, _, adapter in surgery.block_adapters()]
+    moved = [float(adapter.up.weight.detach().abs().max()) for _, _, adapter in surgery.block_adapters()]
     assert all(value > 0 for value in moved)
     with torch.no_grad(), adapters_on(tail, surgery):
         assert not torch.allclose(tail(seen["h"], positions), final, atol=1e-4)
@@ -150,3 +150,28 @@ def test_depth_bake_refuses_and_config_checks(depth_output, tiny_family, tmp_pat
     with pytest.raises(SurgeryConfigError, match="surgery.depth: 9 exceeds .* 2 decoder layers"):
         run_surgery(depth_config(tiny_family, tmp_path / "cache", depth=9, steps=1), str(merged))
     assert sorted(p.name for p in merged.iterdir()) == before
+
+
+def test_export_peft_carries_block_adapters(tiny_family, tmp_path):
+    """A depth output with a foldable final correction becomes one PEFT adapter per domain: lm_head
+    plus every block linear, giving the remote-code model's logits on the plain merge."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_same_logits, logits_of
+    from mergekit_darts.output.peft_export import export_peft
+    from mergekit_darts.pipeline import run_surgery
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_family["merged"], out)
+    run_surgery(depth_config(tiny_family, tmp_path / "cache", steps=10,
+                             extra="  content: linear\n  method: standard\n  head_rank: 2\n"), str(out))
+    summary = export_peft(str(out), str(tmp_path / "adapters"))
+    assert summary["math"]["block_modules"] == 7 and summary["math"]["rank"] == 2 + 2
+    remote = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, darts_domain="math").eval()
+    plain = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.randint(4, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    before = logits_of(plain, ids)
+    model = PeftModel.from_pretrained(plain, str(tmp_path / "adapters" / "math"))
+    assert_same_logits(logits_of(model, ids), logits_of(remote, ids))
+    assert not torch.allclose(logits_of(model, ids), before, atol=1e-4)

@@ -248,6 +248,12 @@ def test_parameter_budget_formula():
     assert with_head["parameters"] == 2 * 16 * 4096 + 16 * (4096 + 32000)
     assert with_head["share"] == pytest.approx(with_head["parameters"] / with_head["model_parameters"])
     assert 6.5e9 < with_head["model_parameters"] < 7e9
+    # depth: a rank-8 adapter on the 7 linears of each of the last 2 blocks of the 7B shape
+    deep = share_of_7b({"method": "standard", "rank": 16, "head_rank": 0, "max_positions": 512, "depth": 2,
+                        "depth_rank": 8})
+    per_block = 8 * (4 * (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
+    assert per_block == 624_640 and deep["parameters"] == 2 * 16 * 4096 + 2 * per_block
+    assert "2·8·78080" in deep["formula"] and deep["within_budget"]
 
 
 def test_surgery_reports_selection_and_time(merged_copy, tiny_family):

@@ -48,16 +48,21 @@ class DomainFold:
     head_up: Optional[torch.Tensor]  # H_u: vocab × head_rank
     head_down: Optional[torch.Tensor]  # H_d: head_rank × hidden
     dropped_position_bias: bool
+    # depth > 0 (export-peft only): {"<layer>.<path in the block>": (down [r × in], up [out × r])}
+    blocks: Optional[Dict[str, tuple]] = None
 
 
-def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False) -> DomainFold:
-    """Read ``domain``'s tensors from ``out_dir`` after checking that they fold exactly."""
+def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False,
+                     with_blocks: bool = False) -> DomainFold:
+    """Read ``domain``'s tensors from ``out_dir`` after checking that they fold exactly.
+    ``with_blocks``: a depth output's block adapters are read too (they are LoRAs already, which PEFT
+    can carry but an LM head cannot absorb)."""
     meta = layout.read_darts_entry(out_dir)
     shape = SurgeryShape.from_meta(meta)
     domains = list(meta.get("domains") or {})
     if domain not in domains:
         raise FoldError(f"--domain: unknown domain {domain!r}; {out_dir} has {', '.join(domains) or 'none'}")
-    check_foldable(shape, drop_position_bias)
+    check_foldable(shape, drop_position_bias, with_blocks)
     shard = os.path.join(out_dir, DARTS_SHARD)
     if not os.path.isfile(shard):
         raise FormatError(f"{out_dir}: no {DARTS_SHARD}; the surgery export is incomplete")
@@ -70,16 +75,33 @@ def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False
             if key not in available:
                 raise FormatError(f"{shard}: missing tensor {key}")
             tensors[name] = handle.get_tensor(key).float()
+        blocks = _block_factors(handle, available, domain, shard) if shape.depth else None
     return DomainFold(domain=domain, shape=shape, up=tensors["up.weight"], down=tensors["down.weight"],
                       head_up=tensors.get("head_up.weight"), head_down=tensors.get("head_down.weight"),
-                      dropped_position_bias=shape.method == "darts")
+                      dropped_position_bias=shape.method == "darts", blocks=blocks)
 
 
-def check_foldable(shape: SurgeryShape, drop_position_bias: bool) -> None:
-    if shape.depth:
+def _block_factors(handle, available, domain: str, shard: str) -> Dict[str, tuple]:
+    prefix = layout.darts_tensor_name(domain, "blocks.")
+    names = sorted(key[len(prefix):-len(".down.weight")] for key in available
+                   if key.startswith(prefix) and key.endswith(".down.weight"))
+    if not names:
+        raise FormatError(f"{shard}: no block adapter tensors ({prefix}*) for a depth output")
+    factors = {}
+    for name in names:
+        up_key = f"{prefix}{name}.up.weight"
+        if up_key not in available:
+            raise FormatError(f"{shard}: missing tensor {up_key}")
+        factors[name] = (handle.get_tensor(f"{prefix}{name}.down.weight").float(), handle.get_tensor(up_key).float())
+    return factors
+
+
+def check_foldable(shape: SurgeryShape, drop_position_bias: bool, allow_depth: bool = False) -> None:
+    if shape.depth and not allow_depth:
         raise FoldError(
             f"depth: {shape.depth} — adapters inside decoder blocks change the blocks, not the LM head, and cannot "
-            "be folded into it; serve the directory with trust_remote_code, or retrain with depth: 0"
+            "be folded into it; use `mergekit-darts export-peft` (a PEFT LoRA carries them), serve the directory "
+            "with trust_remote_code, or retrain with depth: 0"
         )
     if shape.content != "linear":
         raise FoldError(

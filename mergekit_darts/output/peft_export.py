@@ -11,10 +11,15 @@ dependency and no model is loaded; tests load them with ``PeftModel.from_pretrai
 Only ``lora_A``/``lora_B`` are stored (PEFT would also save the whole head for an ``lm_head`` target),
 which is also what keeps a tied head working: the adapter adds to the head's output, the shared
 embedding matrix is never changed.
+
+A ``depth: k`` output's block adapters (``y + up(down(x))`` on the last k blocks' linears) are LoRAs
+already: they go into the same adapter as ``model.layers.<i>.<path>`` targets (scaling 1, their rank
+in ``r``, the head's in ``rank_pattern``), so PEFT — or a server that loads PEFT LoRAs on those
+projections — reproduces the domain without remote code.
 """
 
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -53,9 +58,25 @@ def lora_factors(head: torch.Tensor, fold: DomainFold):
     return lora_b, lora_a.float()
 
 
-def adapter_config(base_model: str, rank: int) -> dict:
-    """PEFT's adapter_config.json for a plain LoRA on ``lm_head`` with scaling 1 (keys PEFT 0.21 writes;
-    absent optional keys take PEFT's defaults)."""
+def block_lora_tensors(fold: DomainFold) -> Dict[str, torch.Tensor]:
+    """A depth output's block adapters under PEFT's names: the adapter on ``model.layers.<i>.<path>``
+    (``y + up(down(x))``) is exactly a LoRA with ``lora_A = down``, ``lora_B = up`` and scaling 1."""
+    tensors = {}
+    for name, (down, up) in (fold.blocks or {}).items():
+        module = f"base_model.model.model.layers.{name}"
+        tensors[f"{module}.lora_A.weight"] = down.contiguous()
+        tensors[f"{module}.lora_B.weight"] = up.contiguous()
+    return tensors
+
+
+def adapter_config(base_model: str, rank: int, block_modules: Sequence[str] = (), block_rank: int = 0) -> dict:
+    """PEFT's adapter_config.json for a LoRA on ``lm_head`` with scaling 1 (keys PEFT 0.21 writes;
+    absent optional keys take PEFT's defaults). ``block_modules`` (depth outputs): full module names
+    inside the decoder that carry rank-``block_rank`` LoRAs, also with scaling 1."""
+    patterns = {}
+    if block_modules:  # r / lora_alpha are the blocks'; the head's own rank goes in the patterns
+        patterns = {"lm_head": rank}
+        rank = block_rank
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -68,14 +89,14 @@ def adapter_config(base_model: str, rank: int) -> dict:
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
-        "target_modules": ["lm_head"],
+        "target_modules": ["lm_head", *block_modules],
         "modules_to_save": None,
         "init_lora_weights": True,
         "inference_mode": True,
         "layers_to_transform": None,
         "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": dict(patterns),
+        "alpha_pattern": dict(patterns),
         "revision": None,
     }
 
@@ -86,7 +107,8 @@ def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
     meta = layout.read_darts_entry(out_dir)
     known = list(meta.get("domains") or {})
     domains = list(domains or known)
-    folds = [load_domain_fold(out_dir, name, drop_position_bias) for name in domains]  # all checked first
+    folds = [load_domain_fold(out_dir, name, drop_position_bias, with_blocks=True)  # all checked first
+             for name in domains]
     if os.path.exists(dest):
         raise FoldError(f"DEST: {os.path.abspath(dest)} already exists; choose a new directory (nothing was overwritten)")
     config = layout.read_config(out_dir)
@@ -99,11 +121,15 @@ def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
             lora_b, lora_a = lora_factors(head, fold)
             folder = os.path.join(stage, fold.domain)
             os.makedirs(folder)
-            save_file({LORA_A_KEY: lora_a.contiguous(), LORA_B_KEY: lora_b.contiguous()},
+            blocks = block_lora_tensors(fold)
+            save_file({LORA_A_KEY: lora_a.contiguous(), LORA_B_KEY: lora_b.contiguous(), **blocks},
                       os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            block_modules = [f"model.layers.{name}" for name in sorted(fold.blocks or {})]
             layout.write_json(os.path.join(folder, ADAPTER_CONFIG),
-                              adapter_config(os.path.abspath(out_dir), lora_a.shape[0]))
-            summaries[fold.domain] = {"rank": lora_a.shape[0], "dropped_position_bias": fold.dropped_position_bias}
+                              adapter_config(os.path.abspath(out_dir), lora_a.shape[0], block_modules,
+                                             fold.shape.depth_rank))
+            summaries[fold.domain] = {"rank": lora_a.shape[0], "dropped_position_bias": fold.dropped_position_bias,
+                                      "block_modules": len(block_modules)}
 
     staged_directory(dest, write)
     return summaries

@@ -18,12 +18,21 @@ def model_parameters(hidden_size: int, vocab_size: int, layers: int, intermediat
     return 2 * vocab_size * hidden_size + layers * per_layer + hidden_size
 
 
-def correction_parameters(settings: Dict, hidden_size: int, vocab_size: int) -> int:
-    """2·r·H (content) + T·H (darts position table) + r_h·(H + V) (head correction)."""
+def block_linear_sizes(hidden_size: int, intermediate_size: int) -> int:
+    """Sum of (in + out) features over a Llama block's seven linears (q, k, v, o, gate, up, down)."""
+    return 4 * (2 * hidden_size) + 3 * (hidden_size + intermediate_size)
+
+
+def correction_parameters(settings: Dict, hidden_size: int, vocab_size: int,
+                          intermediate_size: int = SHAPE_7B["intermediate_size"]) -> int:
+    """2·r·H (content) + T·H (darts position table) + r_h·(H + V) (head correction)
+    + k·r_k·sum(in + out) (depth: adapters on every linear of the last k blocks)."""
     total = 2 * int(settings["rank"]) * hidden_size
     if settings.get("method", "darts") == "darts":
         total += int(settings["max_positions"]) * hidden_size
     total += int(settings.get("head_rank") or 0) * (hidden_size + vocab_size)
+    if settings.get("depth"):
+        total += int(settings["depth"]) * int(settings["depth_rank"]) * block_linear_sizes(hidden_size, intermediate_size)
     return total
 
 
@@ -37,6 +46,9 @@ def share_of_7b(settings: Dict) -> Dict:
         terms.append(f"{settings['max_positions']}·{h}")
     if settings.get("head_rank"):
         terms.append(f"{settings['head_rank']}·({h}+{v})")
+    if settings.get("depth"):
+        terms.append(f"{settings['depth']}·{settings['depth_rank']}·"
+                     f"{block_linear_sizes(h, SHAPE_7B['intermediate_size'])}")
     return {"parameters": parameters, "model_parameters": model, "share": parameters / model,
             "within_budget": parameters / model <= BUDGET_SHARE,
             "formula": " + ".join(terms) + f" = {parameters:,} of {model:,} (H {h}, V {v}, {SHAPE_7B['layers']} layers)"}

@@ -138,10 +138,15 @@ def capture_block_inputs(model_dir: str, domains: Dict[str, object], surgery, se
     from transformers import AutoModelForCausalLM
 
     from mergekit_darts.repair.capture import resolve_device
+    from mergekit_darts.repair.models import quiet_transformers_loading
 
     device = resolve_device(settings.device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 trust_remote_code=settings.trust_remote_code).to(device).eval()
+    with quiet_transformers_loading():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True,
+                                                     trust_remote_code=settings.trust_remote_code)
+    model = model.to(device).eval().requires_grad_(False)
+    if hasattr(model, "set_darts_domain"):  # a directory repaired before, loaded with remote code
+        model.set_darts_domain("none")
     try:
         check_depth(surgery, len(model.model.layers))
         tail = FrozenTail(model, surgery.depth).to(device)
