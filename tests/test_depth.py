@@ -175,3 +175,85 @@ def test_export_peft_carries_block_adapters(tiny_family, tmp_path):
     model = PeftModel.from_pretrained(plain, str(tmp_path / "adapters" / "math"))
     assert_same_logits(logits_of(model, ids), logits_of(remote, ids))
     assert not torch.allclose(logits_of(model, ids), before, atol=1e-4)
+
+
+def _by_hand(model, ids, domain):
+    """Logits of ``domain`` computed outside the remote code's hooks: the block adapters hooked on
+    by hand, then the final-state surgery and the head (head_rank is 0 here)."""
+    surgery = model.darts[domain]
+    handles = [model.model.layers[i].get_submodule(p).register_forward_hook(
+        lambda m, a, o, ad=ad: o + ad(a[0]).to(o.dtype)) for i, p, ad in surgery.block_adapters()]
+    try:
+        with torch.no_grad():
+            final = model.model(input_ids=ids).last_hidden_state
+            positions = torch.arange(ids.shape[1]).expand_as(ids)
+            return model.lm_head(surgery(final, positions).to(model.lm_head.weight.dtype)).float()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_depth_under_bitsandbytes_8bit(depth_output):
+    """Quantizers replace the linears after the model is built: the adapters must still act, in
+    float32, on the quantized linears (hooked at the first forward)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    out, _ = depth_output
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, device_map="cpu",
+                                                 quantization_config=BitsAndBytesConfig(load_in_8bit=True)).eval()
+    q_proj = model.model.layers[1].self_attn.q_proj
+    assert type(q_proj).__name__ == "Linear8bitLt"
+    adapter = model.darts["math"].blocks["1"]["self_attn"]["q_proj"]
+    assert adapter.down.weight.dtype == torch.float32 and type(adapter.down) is torch.nn.Linear
+    ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids, darts_domain="math").logits.float()
+        plain = model(ids, darts_domain="none").logits.float()
+    assert len(q_proj._forward_hooks) == 1
+    expected = _by_hand(model, ids, "math")
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert (got - plain).abs().max() > 1e-3
+
+
+def test_depth_from_several_threads(depth_output):
+    """Concurrent calls with different domains each get their own block adapters."""
+    from transformers import AutoModelForCausalLM
+
+    from loading_helpers import run_concurrently
+
+    out, _ = depth_output
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    expected = {name: _by_hand(model, ids, name) for name in ("math", "code")}
+    with torch.no_grad():
+        expected["none"] = model(ids, darts_domain="none").logits
+
+    def check(name):
+        def run(step):
+            got = model(ids, darts_domain=name).logits
+            return [] if torch.allclose(got, expected[name], atol=1e-5, rtol=0) else [name]
+        return run
+
+    errors, mismatches = run_concurrently({name: check(name) for name in expected}, steps=8)
+    assert not errors and not mismatches, (errors, mismatches)
+
+
+def test_depth_with_disk_offload(depth_output, tmp_path):
+    """accelerate sends the adapters (and the blocks they act on) to disk: their weights sit on meta
+    until the module hooks load them; the logits equal the in-memory model's."""
+    from accelerate.utils import compute_module_sizes
+    from transformers import AutoModelForCausalLM
+
+    out, _ = depth_output
+    reference = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    budget = compute_module_sizes(reference)[""] // 2
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32,
+                                                 device_map="auto", max_memory={"cpu": budget},
+                                                 offload_folder=str(tmp_path / "offload")).eval()
+    assert model.hf_device_map["darts"] == "disk", model.hf_device_map
+    assert model.darts["math"].blocks["1"]["mlp"]["up_proj"].down.weight.device.type == "meta"
+    ids = torch.randint(3, reference.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(3))
+    rows = ["code", "math", "none"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, darts_domain=rows).logits, reference(ids, darts_domain=rows).logits,
+                                   atol=1e-5, rtol=0)

@@ -25,6 +25,10 @@ ABLATIONS = [
     ("standard_ewl1", "Standard + EWL1 (ablation)", {"method": "standard", "loss": "ewl1"}),
     ("darts_l1", "DARTS + L1 (ablation)", {"method": "darts", "loss": "l1"}),
     ("darts_kl", "DARTS + KL (beyond the paper)", {"method": "darts", "loss": "kl"}),
+    # quality options (docs/quality.md): what `preset: best` sets (the demo YAML's explicit rank and
+    # loss would win over the preset itself), and adapters inside the last decoder block
+    ("darts_kl_rank64", "DARTS + KL, rank 64 (= preset: best)", {"method": "darts", "loss": "kl", "rank": 64}),
+    ("darts_kl_depth1", "DARTS + KL, depth 1 (block adapters)", {"method": "darts", "loss": "kl", "depth": 1}),
     # no ReLU: the content correction folds into the LM head (`mergekit-darts bake`, `export-peft`);
     # the position table does not, so this variant bakes only with --drop-position-bias
     ("darts_kl_linear", "DARTS + KL, linear (foldable)", {"method": "darts", "loss": "kl", "content": "linear"}),
@@ -212,7 +216,9 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
     for key, label, overrides in [MAIN, *ABLATIONS]:
         if key != MAIN[0]:
             log(f"surgery: {label}")
-            reports[key] = run_surgery(config, out, overrides=overrides, options=options, progress=progress)
+            # a reduced family (tests) may be narrower than a row's rank: surgery rejects rank > hidden
+            sized = {**overrides, "rank": min(overrides["rank"], sizes.family.hidden_size)} if "rank" in overrides else overrides
+            reports[key] = run_surgery(config, out, overrides=sized, options=options, progress=progress)
         if key == MAIN[0]:
             for extra in ("darts_report.json",):
                 if os.path.exists(os.path.join(out, extra)):
@@ -227,9 +233,9 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
                 rows[ROUTED[1]], labels[ROUTED[1]] = scores, ROUTED[2]
     tick("ablations+scoring")
     # one figure for every variant, so the KL one the README recommends is seen next to the paper's
-    from mergekit_darts.repair.report import plot_bias, variant_label
+    from mergekit_darts.repair.report import plot_bias
 
-    plot_bias({variant_label(r): r for r in reports.values()}, os.path.join(workdir, "darts_bias.png"))
+    plot_bias({labels[key]: r for key, r in reports.items()}, os.path.join(workdir, "darts_bias.png"))
     # leave the output directory with the main configuration (cheap: the capture is cached)
     run_surgery(config, out, options=options, progress=progress)
     tick("restore main")
@@ -250,7 +256,7 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
                     "held_out_calibration": (reports[ROUTED[0]].get("router") or {}).get("accuracy")},
         "samples": samples, "timings_s": timings, "output_dir": out, "config": config_path,
         # every variant's report, so darts_bias.png can be redrawn: plot_bias(result["reports"], path)
-        "reports": {variant_label(r): r for r in reports.values()},
+        "reports": {labels[key]: r for key, r in reports.items()},
     }
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(result, f, indent=1)

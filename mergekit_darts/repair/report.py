@@ -99,13 +99,18 @@ def _nan(values: List[Optional[float]]) -> List[float]:
 
 
 def variant_label(report: Dict[str, Any]) -> str:
-    """``DARTS + EWL1``-style name of a report's surgery (method + loss)."""
+    """``DARTS + EWL1``-style name of a report's surgery (method + loss, then what differs from the
+    defaults among content and depth)."""
     settings = report.get("surgery") or {}
     method = {"darts": "DARTS", "standard": "standard"}.get(settings.get("method"), settings.get("method") or "surgery")
     loss = str(settings.get("loss") or "").upper()
     label = f"{method} + {loss}" if loss else method
     content = settings.get("content")
-    return f"{label}, {content}" if content and content != "relu" else label
+    if content and content != "relu":
+        label += f", {content}"
+    if settings.get("depth"):
+        label += f", depth {settings['depth']}"
+    return label
 
 
 def _variants(reports: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
