@@ -27,6 +27,9 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         detail = detail.replace("content correction", "linear content correction")
     if darts_meta["head_rank"]:
         detail += f" + logit correction of rank {darts_meta['head_rank']}"
+    if darts_meta.get("depth"):
+        detail += (f" + rank-{darts_meta['depth_rank']} adapters on every linear of the last "
+                   f"{darts_meta['depth']} decoder block(s)")
     lines = [
         CARD_BEGIN,
         "## Representation surgery",

@@ -281,6 +281,8 @@ def summary_table(report: Dict[str, Any]) -> str:
     settings = report.get("surgery") or {}
     if settings:
         keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")
+        if settings.get("depth"):
+            keys += ("depth", "depth_rank")
         lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings)
                      + (f" (preset {settings['preset']})" if settings.get("preset") else ""))
         if all(k in settings for k in ("rank", "max_positions")):
