@@ -259,3 +259,78 @@ def test_depth_with_disk_offload(depth_output, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(ids, darts_domain=rows).logits, reference(ids, darts_domain=rows).logits,
                                    atol=1e-5, rtol=0)
+
+
+def _tiny_model(arch):
+    """A 2-layer random model of each architecture the emitted classes support (in memory)."""
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    extra = {"Mistral": {"sliding_window": 3}, "Qwen2": {"sliding_window": 3, "use_sliding_window": True,
+                                                          "max_window_layers": 0},
+             "Mixtral": {"num_local_experts": 2, "num_experts_per_tok": 1}, "Gemma": {"head_dim": 8},
+             "Qwen3": {"head_dim": 8}}.get(arch, {})
+    config = getattr(transformers, f"{arch}Config")(**common, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{arch}ForCausalLM")(config).float().eval()
+
+
+@pytest.mark.parametrize("arch", ["Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Gemma", "Phi3"])
+def test_replaying_the_last_blocks_matches_every_architecture(arch):
+    """FrozenTail (mask, rotary, sliding window) reproduces each architecture's own final states from
+    the cached block input, and adapters move them; otherwise training would not see the model."""
+    from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
+    from mergekit_darts.repair.depth import FrozenTail, adapters_on
+
+    model = _tiny_model(arch)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    for depth in (1, 2):
+        seen = {}
+        first = model.model.layers[2 - depth]
+        handle = first.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.update(h=args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+        with torch.no_grad():
+            final = model.model(input_ids=ids).last_hidden_state
+        handle.remove()
+        tail = FrozenTail(model, depth)
+        positions = torch.arange(9).expand(2, 9)
+        with torch.no_grad():
+            torch.testing.assert_close(tail(seen["h"], positions), final, atol=1e-5, rtol=1e-5)
+        shape = SurgeryShape("darts", rank=2, head_rank=0, max_positions=16, content="relu", depth=depth, depth_rank=2)
+        surgery = DomainSurgery.from_shape(shape, 32, 64, tail.targets)
+        assert all(len(linears) >= 2 for linears in tail.targets.values())  # attention projections at least
+        with torch.no_grad():
+            for _, _, adapter in surgery.block_adapters():
+                adapter.up.weight.normal_(0, 0.5)
+            with adapters_on(tail, surgery):
+                assert not torch.allclose(tail(seen["h"], positions), final, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["Mistral", "Mixtral", "Qwen2", "Phi3", "Gemma"])
+def test_emitted_classes_apply_block_adapters(arch):
+    """Each Darts class builds the adapters from its own blocks and applies them like the by-hand
+    computation (per-row domains included)."""
+    from mergekit_darts.remote_code.modeling_darts import DARTS_CLASSES
+    from mergekit_darts.remote_code.surgery import SurgeryShape
+
+    plain = _tiny_model(arch)
+    config = plain.config
+    shape = SurgeryShape("darts", rank=2, head_rank=0, max_positions=16, content="relu", depth=1, depth_rank=2)
+    config.darts = {**shape.to_meta(), "domains": {"math": "m", "code": "c"}, "loss": "kl"}
+    model = DARTS_CLASSES[f"{arch}ForCausalLM"](config)
+    model.load_state_dict(plain.state_dict(), strict=False)
+    model.float().eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for surgery in model.darts.values():
+            for _, _, adapter in surgery.block_adapters():
+                adapter.up.weight.normal_(0, 0.5)
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mixed = model(ids, darts_domain=["code", "math"]).logits.float()
+        none = model(ids, darts_domain="none").logits.float()
+    torch.testing.assert_close(none, plain(ids).logits.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(mixed[0], _by_hand(model, ids[:1], "code")[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(mixed[1], _by_hand(model, ids[1:], "math")[0], atol=1e-5, rtol=0)
+    assert (mixed - none).abs().max() > 1e-3
