@@ -18,6 +18,7 @@ import yaml
 
 from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
                                    split_yaml)
+from mergekit_darts.repair.domain import train_domain
 from mergekit_darts.repair.heldout import prompt_count, split_held_out
 from mergekit_darts.settings import RunSettings
 
@@ -160,8 +161,6 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
                            "domains": {}}
     # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
     report["surgery"]["preset_settings"] = preset_settings(surgery)
-    from mergekit_darts.repair.domain import train_domain
-
     for name, data in captured.domains.items():
         trained = train_domain(name, data, captured.merged_head, surgery, settings, tail=captured.tail)
         modules[name] = trained.module
