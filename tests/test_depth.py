@@ -334,3 +334,18 @@ def test_emitted_classes_apply_block_adapters(arch):
     torch.testing.assert_close(mixed[0], _by_hand(model, ids[:1], "code")[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(mixed[1], _by_hand(model, ids[1:], "math")[0], atol=1e-5, rtol=0)
     assert (mixed - none).abs().max() > 1e-3
+
+
+def test_depth_with_a_bfloat16_capture(tiny_family, tmp_path):
+    """The merged model is loaded in the capture dtype (bf16 here, as on a GPU); the float32 tail still
+    reproduces its final states within the low-precision tolerance, and training improves on them."""
+    from mergekit_darts.pipeline import run_surgery
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_family["merged"], out)
+    config = depth_config(tiny_family, tmp_path / "cache", steps=10).replace("dtype: float32", "dtype: bfloat16")
+    report = run_surgery(config, str(out))
+    assert report["surgery"]["dtype"] == "bfloat16"
+    for name in ("math", "code"):
+        kl = report["domains"][name]["held_out_kl"]
+        assert kl["after"] < kl["before"], (name, kl)

@@ -22,8 +22,10 @@ from mergekit_darts.remote_code.blocks import block_linear_targets
 LOG = logging.getLogger(__name__)
 
 # Replaying the cached block input through the copied blocks must give the captured final states:
-# mean |difference| over mean |state|, above which the blocks need arguments we do not pass.
-REPLAY_TOLERANCE = 1e-2
+# mean |difference| over mean |state|, above which the blocks need arguments we do not pass. The
+# tail runs in float32; a model captured in bfloat16/float16 differs from it by its own rounding.
+REPLAY_TOLERANCE = {torch.float32: 1e-2}
+REPLAY_TOLERANCE_LOW_PRECISION = 5e-2
 
 
 class FrozenTail(nn.Module):
@@ -133,16 +135,18 @@ def check_depth(surgery, layers: int) -> None:
 def capture_block_inputs(model_dir: str, domains: Dict[str, object], surgery, settings,
                          check_replay: bool = True) -> FrozenTail:
     """Set ``block_inputs`` ([N, T, H] float32, zero at padding) on each captured domain of ``domains``
-    and return the frozen tail. Loads the merged model once, in float32 on the training device.
-    ``check_replay``: the tail run from the block inputs must reproduce the captured final states."""
+    and return the frozen tail (float32). Loads the merged model once, in the capture dtype on the
+    training device. ``check_replay``: the tail run from the block inputs must reproduce the captured
+    final states."""
     from transformers import AutoModelForCausalLM
 
-    from mergekit_darts.repair.capture import resolve_device
+    from mergekit_darts.repair.capture import resolve_device, resolve_dtype
     from mergekit_darts.repair.models import quiet_transformers_loading
 
     device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
     with quiet_transformers_loading():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True,
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True,
                                                      trust_remote_code=settings.trust_remote_code)
     model = model.to(device).eval().requires_grad_(False)
     if hasattr(model, "set_darts_domain"):  # a directory repaired before, loaded with remote code
@@ -154,7 +158,8 @@ def capture_block_inputs(model_dir: str, domains: Dict[str, object], surgery, se
         for name, data in domains.items():
             data.block_inputs = _block_inputs(model, first, data, surgery.capture_batch_size, device)
             if check_replay:
-                _check_replay(name, tail, data, surgery.capture_batch_size)
+                tolerance = REPLAY_TOLERANCE.get(dtype, REPLAY_TOLERANCE_LOW_PRECISION)
+                _check_replay(name, tail, data, surgery.capture_batch_size, tolerance)
     finally:
         del model
     LOG.info("depth %d: block inputs captured for %d domain(s)", surgery.depth, len(domains))
@@ -178,7 +183,7 @@ def _block_inputs(model, first: nn.Module, data, batch_size: int, device) -> tor
     return torch.cat(parts)
 
 
-def _check_replay(name: str, tail: FrozenTail, data, batch_size: int) -> None:
+def _check_replay(name: str, tail: FrozenTail, data, batch_size: int, tolerance: float) -> None:
     mask = data.attention_mask.bool()
     worst: Optional[float] = None
     for start in range(0, mask.shape[0], batch_size):
@@ -189,7 +194,7 @@ def _check_replay(name: str, tail: FrozenTail, data, batch_size: int) -> None:
         captured = data.merged_hidden[rows].float()[valid]
         error = float((replayed[valid] - captured).abs().mean() / captured.abs().mean().clamp_min(1e-12))
         worst = error if worst is None else max(worst, error)
-    if worst is not None and worst > REPLAY_TOLERANCE:
+    if worst is not None and worst > tolerance:
         raise SurgeryConfigError(
             f"surgery.depth: running the last {len(tail.layers)} decoder block(s) from their cached input does "
             f"not reproduce the merged model's final states for domain {name!r} (relative error {worst:.3g}); "
