@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--depth", type=int, default=0,
+                   help="also give every domain random rank-8 adapters on the last DEPTH blocks' linears")
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--domains", type=int, default=3, help="surgery modules exported (one is active)")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -64,6 +66,7 @@ def parse_args(argv=None):
 def build_model_dir(path: str, args) -> dict:
     """Random Llama + random non-zero surgery modules exported into ``path``; returns parameter counts."""
     from mergekit_darts.output.export import export_surgery
+    from mergekit_darts.remote_code.blocks import block_linear_targets
     from mergekit_darts.remote_code.surgery import DomainSurgery, count_parameters
     from mergekit_darts.tiny import make_random_model
 
@@ -72,6 +75,7 @@ def build_model_dir(path: str, args) -> dict:
         max_position_embeddings=max(2048, args.prompt_len + args.new_tokens),
     )
     model_params = sum(p.numel() for p in model.parameters())
+    targets = block_linear_targets(model.model.layers, args.depth) if args.depth else None
     del model
     torch.manual_seed(0)
     modules = {}
@@ -80,6 +84,11 @@ def build_model_dir(path: str, args) -> dict:
         with torch.no_grad():  # non-zero everywhere, small enough to keep generation sane
             module.up.weight.normal_(0.0, 0.02)
             module.position_bias.normal_(0.0, 0.02)
+        if targets is not None:
+            module.attach_blocks(targets, 8)
+            with torch.no_grad():
+                for _, _, adapter in module.block_adapters():
+                    adapter.up.weight.normal_(0.0, 0.02)
         modules[f"d{index}"] = module
     export_surgery(path, modules, {name: f"expert-{name}" for name in modules}, default_domain="d0", loss="ewl1")
     per_domain = count_parameters(modules["d0"])
@@ -99,9 +108,16 @@ def export_router(path: str, modules: dict, args) -> None:
     from mergekit_darts.remote_code.routing import DomainRouter, pool_prompt_states
 
     model = load(path, args, remote=True)
+    seen = []  # with --depth the router reads the first adapted block's input, as the model does
+    if args.depth:
+        model.model.layers[-args.depth].register_forward_pre_hook(
+            lambda module, a, kw: seen.append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
+    states = []
     with torch.inference_mode():
-        pooled = torch.cat([pool_prompt_states(model.model(input_ids=bench_prompts(b, args).to(args.device))
-                                               .last_hidden_state).cpu() for b in args.batch])
+        for b in args.batch:
+            final = model.model(input_ids=bench_prompts(b, args).to(args.device)).last_hidden_state
+            states.append(pool_prompt_states(seen[-1] if args.depth else final).cpu())
+    pooled = torch.cat(states)
     del model
     centroid = torch.nn.functional.normalize(pooled.mean(dim=0), dim=0)
     router = DomainRouter(args.hidden, list(modules), threshold=0.0)
@@ -183,14 +199,18 @@ def bench_batch(darts_model, plain_model, batch: int, args) -> dict:
 def parameter_shares(counts: dict, args) -> dict:
     per_domain = counts["per_domain"]
     total = per_domain * counts["domains"]
-    paper_per_domain = 2 * args.rank * LLAMA2_7B["hidden"] + args.max_positions * LLAMA2_7B["hidden"]
+    from mergekit_darts.repair.budget import correction_parameters
+
+    paper_per_domain = correction_parameters({"method": "darts", "rank": args.rank, "max_positions": args.max_positions,
+                                              "depth": args.depth, "depth_rank": 8},
+                                             LLAMA2_7B["hidden"], 32000)
     return {
         "model_params": counts["model_params"],
         "added_per_domain": per_domain,
         "added_all_domains": total,
         "share_per_domain": per_domain / counts["model_params"],
         "share_all_domains": total / counts["model_params"],
-        "formula": "2*rank*hidden + max_positions*hidden per domain",
+        "formula": "2*rank*hidden + max_positions*hidden (+ depth*8*sum(in+out) of a block's linears) per domain",
         "llama2_7b_same_settings": {
             "added_per_domain": paper_per_domain,
             "share_all_domains": paper_per_domain * counts["domains"] / LLAMA2_7B["params"],
