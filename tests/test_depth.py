@@ -123,12 +123,35 @@ def test_depth_mixed_rows_cache_and_auto_routing(depth_output):
         generated = model.generate(ids, max_new_tokens=4, do_sample=False, darts_domain=rows)
         no_cache = model.generate(ids, max_new_tokens=4, do_sample=False, darts_domain=rows, use_cache=False)
     assert torch.equal(generated, no_cache)
-    tokenizer_free = torch.tensor([[5, 6, 7, 8, 9]])
-    routed = model.route_domains(tokenizer_free)
+    # A router that tells the two routing points apart: "math"'s centroid is the prompt's pooled state at
+    # the first adapted block's input, "code"'s its pooled final-norm state. Routing from the block input
+    # (what the router is trained on with depth) picks math; routing from the final norm would pick code.
+    from mergekit_darts.remote_code.routing import pool_prompt_states
+
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    seen = {}
+    handle = model.model.layers[1].register_forward_pre_hook(
+        lambda m, args, kwargs: seen.update(h=args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
     with torch.no_grad():
-        auto = model(tokenizer_free, darts_domain="auto").logits
-        fixed = model(tokenizer_free, darts_domain=routed[0]).logits
-    torch.testing.assert_close(auto, fixed)
+        final = model.model(input_ids=prompt).last_hidden_state
+    handle.remove()
+    at_block, at_norm = pool_prompt_states(seen["h"])[0], pool_prompt_states(final)[0]
+    assert float(at_block @ at_norm) < 0.99
+    router = model.darts.router
+    order = [router.domains.index("math"), router.domains.index("code")]
+    with torch.no_grad():
+        for index, centroid in zip(order, (at_block, at_norm)):
+            router.weight[index] = router.centroids[index] = centroid
+        router.bias.zero_()
+        router.similarity_mean.fill_(1.0)
+        router.similarity_std.fill_(1.0)
+    assert model.route_domains(prompt) == ["math"]
+    with torch.no_grad():
+        auto = model(prompt, darts_domain="auto").logits
+        generated = model.generate(prompt, max_new_tokens=3, do_sample=False, darts_domain="auto")
+        torch.testing.assert_close(auto, model(prompt, darts_domain="math").logits)
+        assert not torch.allclose(auto, model(prompt, darts_domain="code").logits, atol=1e-4)
+        assert torch.equal(generated, model.generate(prompt, max_new_tokens=3, do_sample=False, darts_domain="math"))
 
 
 def test_depth_bake_refuses_and_config_checks(depth_output, tiny_family, tmp_path):

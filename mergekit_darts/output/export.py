@@ -26,7 +26,7 @@ from mergekit_darts.output.layout import (
 from mergekit_darts.remote_code.routing import DomainRouter
 from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
 
-# the two files shipped into every output directory live in the remote_code package
+# the files shipped into every output directory (layout.MODELING_FILES) live in the remote_code package
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "remote_code")
 
 

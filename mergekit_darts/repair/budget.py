@@ -5,7 +5,7 @@ directory's settings would add to a Llama-2-7B-shaped model, so the budget can b
 output too.
 """
 
-from typing import Dict
+from typing import Dict, List, Tuple
 
 # Llama-2-7B: hidden 4096, vocabulary 32000, 32 layers, MLP 11008, untied embeddings and head
 SHAPE_7B = {"hidden_size": 4096, "vocab_size": 32000, "layers": 32, "intermediate_size": 11008}
@@ -23,35 +23,38 @@ def block_linear_sizes(hidden_size: int, intermediate_size: int) -> int:
     return 4 * (2 * hidden_size) + 3 * (hidden_size + intermediate_size)
 
 
+def _terms(settings: Dict, hidden_size: int, vocab_size: int, intermediate_size: int) -> List[Tuple[str, int]]:
+    """(formula term, parameters) of each part of one domain's correction."""
+    h, v = hidden_size, vocab_size
+    terms = [(f"2·{settings['rank']}·{h}", 2 * int(settings["rank"]) * h)]  # content
+    if settings.get("method", "darts") == "darts":  # position table
+        terms.append((f"{settings['max_positions']}·{h}", int(settings["max_positions"]) * h))
+    if settings.get("head_rank"):  # head correction
+        terms.append((f"{settings['head_rank']}·({h}+{v})", int(settings["head_rank"]) * (h + v)))
+    if settings.get("depth"):  # adapters on every linear of the last `depth` blocks
+        sizes = block_linear_sizes(h, intermediate_size)
+        terms.append((f"{settings['depth']}·{settings['depth_rank']}·{sizes}",
+                      int(settings["depth"]) * int(settings["depth_rank"]) * sizes))
+    return terms
+
+
 def correction_parameters(settings: Dict, hidden_size: int, vocab_size: int,
                           intermediate_size: int = SHAPE_7B["intermediate_size"]) -> int:
     """2·r·H (content) + T·H (darts position table) + r_h·(H + V) (head correction)
     + k·r_k·sum(in + out) (depth: adapters on every linear of the last k blocks)."""
-    total = 2 * int(settings["rank"]) * hidden_size
-    if settings.get("method", "darts") == "darts":
-        total += int(settings["max_positions"]) * hidden_size
-    total += int(settings.get("head_rank") or 0) * (hidden_size + vocab_size)
-    if settings.get("depth"):
-        total += int(settings["depth"]) * int(settings["depth_rank"]) * block_linear_sizes(hidden_size, intermediate_size)
-    return total
+    return sum(count for _, count in _terms(settings, hidden_size, vocab_size, intermediate_size))
 
 
 def share_of_7b(settings: Dict) -> Dict:
     """{parameters, model_parameters, share, within_budget, formula} for the 7B shape."""
     h, v = SHAPE_7B["hidden_size"], SHAPE_7B["vocab_size"]
-    parameters = correction_parameters(settings, h, v)
+    terms = _terms(settings, h, v, SHAPE_7B["intermediate_size"])
+    parameters = sum(count for _, count in terms)
     model = model_parameters(**SHAPE_7B)
-    terms = [f"2·{settings['rank']}·{h}"]
-    if settings.get("method", "darts") == "darts":
-        terms.append(f"{settings['max_positions']}·{h}")
-    if settings.get("head_rank"):
-        terms.append(f"{settings['head_rank']}·({h}+{v})")
-    if settings.get("depth"):
-        terms.append(f"{settings['depth']}·{settings['depth_rank']}·"
-                     f"{block_linear_sizes(h, SHAPE_7B['intermediate_size'])}")
     return {"parameters": parameters, "model_parameters": model, "share": parameters / model,
             "within_budget": parameters / model <= BUDGET_SHARE,
-            "formula": " + ".join(terms) + f" = {parameters:,} of {model:,} (H {h}, V {v}, {SHAPE_7B['layers']} layers)"}
+            "formula": " + ".join(label for label, _ in terms)
+            + f" = {parameters:,} of {model:,} (H {h}, V {v}, {SHAPE_7B['layers']} layers)"}
 
 
 def describe_share(budget: Dict) -> str:

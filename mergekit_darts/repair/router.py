@@ -1,7 +1,8 @@
 """Training and measuring the domain router (docs/routing.md) from the capture's prompt states.
 
-The router sees what the emitted model sees at prefill: the merged model's final-norm outputs over
-the prompt tokens only (``CapturedDomain.prompt_lengths``; a continued calibration sample's answer
+The router sees what the emitted model sees at prefill: the merged model's final-norm outputs (with
+``depth: k``, the input of the first adapted block; the pipeline passes those states in) over the
+prompt tokens only (``CapturedDomain.prompt_lengths``; a continued calibration sample's answer
 tokens are left out), pooled by ``remote_code.routing.pool_prompt_states``. Training is closed-form
 (nearest centroid) or a few hundred full-batch L-BFGS steps (logistic regression): seconds on CPU,
 deterministic for a given input.

@@ -76,7 +76,7 @@ class EarlyStopping:
         module.load_state_dict(self.best_state)
 
 
-def fit(make_module: Callable[[], Any], train: Dict[str, torch.Tensor],
+def fit(make_module: Callable[[], Any], train_data: Dict[str, torch.Tensor],
         validation: Optional[Dict[str, torch.Tensor]], *, loss: str, steps: int, lrs: Sequence[float],
         early_stopping: bool, eval_every: int, patience: int, weight_decay: float, batch_size, seed: int,
         expert_head, merged_head, chunk_size: int, progress: bool, desc: str,
@@ -97,20 +97,23 @@ def fit(make_module: Callable[[], Any], train: Dict[str, torch.Tensor],
     def evaluate(module) -> float:
         return validation_loss(module, validation, loss, expert_head, merged_head, chunk_size)
 
+    def train(module, data, steps_, lr, label, on_step=None):
+        return train_surgery(
+            module, data["merged"], data["target"], data["mask"], data["position_ids"],
+            entropy=data["entropy"], loss=loss, steps=steps_, lr=lr, batch_size=batch_size, seed=seed,
+            expert_head=expert_head, merged_head=merged_head, kl_chunk_size=chunk_size,
+            progress=progress, desc=f"{desc} {label}", weight_decay=weight_decay, on_step=on_step,
+            **kl_options,
+        )
+
     runs = []
     for lr in lrs:
         torch.manual_seed(seed)  # every candidate starts from the same module
         module = make_module()
         stopper = EarlyStopping(evaluate, eval_every, patience) if early_stopping else None
         if stopper is not None:
-            stopper.start(module.to(train["merged"].device))
-        history = train_surgery(
-            module, train["merged"], train["target"], train["mask"], train["position_ids"],
-            entropy=train["entropy"], loss=loss, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
-            expert_head=expert_head, merged_head=merged_head, kl_chunk_size=chunk_size,
-            progress=progress, desc=f"{desc} lr={lr:g}", weight_decay=weight_decay, on_step=stopper,
-            **kl_options,
-        )
+            stopper.start(module.to(train_data["merged"].device))
+        history = train(module, train_data, steps, lr, f"lr={lr:g}", on_step=stopper)
         record: Dict[str, Any] = {"lr": lr, "steps_run": len(history)}
         if stopper is not None:
             stopper.finish(module, len(history))
@@ -131,12 +134,6 @@ def fit(make_module: Callable[[], Any], train: Dict[str, torch.Tensor],
     if validation is not None and refit is not None:
         torch.manual_seed(seed)
         module = make_module()
-        history = train_surgery(
-            module, refit["merged"], refit["target"], refit["mask"], refit["position_ids"],
-            entropy=refit["entropy"], loss=loss, steps=selection["steps"], lr=selection["lr"],
-            batch_size=batch_size, seed=seed, expert_head=expert_head, merged_head=merged_head,
-            kl_chunk_size=chunk_size, progress=progress, desc=f"{desc} refit", weight_decay=weight_decay,
-            **kl_options,
-        )
+        history = train(module, refit, selection["steps"], selection["lr"], "refit")
         selection["refit_records"] = int(refit["merged"].shape[0])
     return FitResult(module=module.eval(), history=history, selection=selection)
