@@ -9,7 +9,15 @@ in each, interleaved, as wall time and as the child's CPU time (steadier on a sh
 reads ``-X importtime``'s cumulative microseconds of ``mergekit_darts._startup`` (which includes the
 package ``__init__``). Writes ``benchmarks/results/bench_startup.json``.
 
+``--cli`` measures the command line instead (issue 26): the wall time of ``mergekit-darts CMD
+--help`` for every command, and of ``info`` / ``report`` on a freshly repaired offline example,
+run through this environment's installed ``mergekit-darts`` script (the start-up hook included),
+interleaved with the same commands of the package as it was at ``--cli-before`` (on PYTHONPATH,
+which wins over the editable install). Targets: every ``--help`` < 0.5 s, ``info``/``report``
+< 1.5 s. Writes ``benchmarks/results/bench_startup_cli.json``.
+
     python benchmarks/bench_startup.py [--runs 60] [--before 1c8d35e]
+    python benchmarks/bench_startup.py --cli [--runs 10] [--cli-before e5d7838] [--before-runs 2]
 """
 
 import argparse
@@ -71,11 +79,88 @@ def _importtime_us(stderr: str, module: str):
     return None
 
 
+def _repaired_example(root: str, env: dict) -> str:
+    """The README's offline example (examples/tiny_offline.yml) merged and repaired under ``root``."""
+    family = os.path.join(root, "tiny_family")
+    subprocess.run([sys.executable, "-c", f"from mergekit_darts.tiny import make_family; "
+                    f"make_family({family!r}, domains=['math', 'code'])"], env=env, check=True, capture_output=True)
+    with open(os.path.join(REPO, "examples", "tiny_offline.yml")) as handle:
+        config = handle.read().replace("./tiny_family", family).replace("examples/data", os.path.join(REPO, "examples", "data"))
+    path = os.path.join(root, "tiny_offline.yml")
+    with open(path, "w") as handle:
+        handle.write(config)
+    out = os.path.join(root, "tiny_out")
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), path, out], env=env, check=True,
+                   capture_output=True, cwd=root)
+    return out
+
+
+def cli_main(args) -> None:
+    from mergekit_darts.cli import COMMANDS
+
+    script = os.path.join(os.path.dirname(sys.executable), "mergekit-darts")
+    root = tempfile.mkdtemp(prefix="bench-cli-")
+    try:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HOME": root,
+               "MPLCONFIGDIR": os.path.join(root, "mpl")}
+        env.pop("PYTHONPATH", None)
+        out = _repaired_example(root, env)
+        cases = {f"{name} --help": [name, "--help"] for name in COMMANDS}
+        cases.update({"info OUT": ["info", out], "report OUT": ["report", out],
+                      "report OUT --no-plot": ["report", out, "--no-plot"]})
+        variants = {"now": env}
+        if args.cli_before:
+            variants["before"] = {**env, "PYTHONPATH": _old_checkout(root, args.cli_before)}
+        for variant, env_variant in variants.items():  # warm the page cache and __pycache__
+            for case, argv in cases.items():
+                if variant == "now" or case in ("run --help", "info OUT", "report OUT"):
+                    _child_run(script, env_variant, argv)
+        times = {variant: {case: [] for case in cases} for variant in variants}
+        for round_index in range(args.runs):
+            for case, argv in cases.items():
+                for variant in (list(variants) if round_index % 2 == 0 else list(variants)[::-1]):
+                    if variant == "before" and round_index >= args.before_runs:
+                        continue
+                    times[variant][case].append(_child_run(script, variants[variant], argv)[0])
+        summary = {variant: {case: median(values) for case, values in cases_.items()} for variant, cases_ in times.items()}
+        rows = [[case, summary["now"][case], summary.get("before", {}).get(case, float("nan")),
+                 0.5 if case.endswith("--help") else 1.5] for case in cases]
+        print_table(f"wall seconds, medians ({args.runs} runs now, {args.before_runs} before = {args.cli_before})",
+                    ["command", "now s", "before s", "target s"], rows)
+        write_json("bench_startup_cli", {
+            "settings": {"runs": args.runs, "before": args.cli_before, "before_runs": args.before_runs,
+                         "python": sys.version.split()[0], "load_average": os.getloadavg(),
+                         "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+            "target": "every `mergekit-darts CMD --help` < 0.5 s; `info` and `report` < 1.5 s (wall, medians)",
+            "met": all(summary["now"][case] < (0.5 if case.endswith("--help") else 1.5) for case in cases),
+            "summary_s": summary, "raw_s": times,
+        })
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _old_checkout(root: str, commit: str) -> str:
+    """The whole package as it was at ``commit`` (git archive), for PYTHONPATH."""
+    folder = os.path.join(root, f"src-{commit}")
+    os.makedirs(folder)
+    archive = subprocess.run(["git", "-C", REPO, "archive", commit, "mergekit_darts"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=60, help="runs of `python -c pass` per variant")
+    parser.add_argument("--runs", type=int, default=None, help="runs per variant (default 60; with --cli 10)")
     parser.add_argument("--before", default="1c8d35e", help="commit whose hook is measured as 'before' ('' = skip)")
+    parser.add_argument("--cli", action="store_true", help="measure the command line instead of the hook")
+    parser.add_argument("--cli-before", default="e5d7838", help="with --cli: commit measured as 'before' ('' = skip)")
+    parser.add_argument("--before-runs", type=int, default=2, help="with --cli: runs of each 'before' command (slow)")
     args = parser.parse_args()
+    if args.cli:
+        args.runs = args.runs or 10
+        cli_main(args)
+        return
+    args.runs = args.runs or 60
 
     root = tempfile.mkdtemp(prefix="bench-startup-")
     try:

@@ -57,3 +57,35 @@ def user_logging(stream: Optional[TextIO] = None, level: int = logging.WARNING) 
         logger.removeHandler(handler)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
+
+
+# --- text that several commands print the same way (torch-free: `info` and `report` use it) -----
+
+def before_after(values: Optional[dict], label: str, digits: int = 4) -> Optional[str]:
+    """``"label a -> b"`` from a {"before"/"mean_before", "after"/"mean_after"} entry, or None."""
+    values = values or {}
+    before = values.get("mean_before", values.get("before"))
+    after = values.get("mean_after", values.get("after"))
+    if before is None or after is None:
+        return None
+    return f"{label} {before:.{digits}f} -> {after:.{digits}f}"
+
+
+def share(count: int, total: int) -> str:
+    """``"80.0% (4/5)"``: a share always with the count it was measured on (one record is not 0 %)."""
+    return f"{100 * count / total:.1f}% ({count}/{total})" if total else "- (no records)"
+
+
+def routing_accuracy(entry: dict) -> str:
+    """Per-domain routing accuracy with its sample size, then the share over all records pooled:
+    ``math 100.0% (4/4), code 0.0% (0/1); pooled 80.0% (4/5)``."""
+    confusion = entry.get("confusion") or {}
+    parts, right, total = [], 0, 0
+    for name, row in confusion.items():
+        count = sum(row.values())
+        parts.append(f"{name} {share(row.get(name, 0), count)}")
+        right, total = right + row.get(name, 0), total + count
+    if not parts:  # an entry without its confusion matrix: the rates alone
+        return ", ".join(f"{name} {'-' if value is None else f'{100 * value:.1f}%'}"
+                         for name, value in (entry.get("accuracy") or {}).items())
+    return ", ".join(parts) + (f"; pooled {share(right, total)}" if len(parts) > 1 else "")

@@ -18,6 +18,7 @@ import yaml
 
 from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
                                    split_yaml)
+from mergekit_darts.console import before_after
 from mergekit_darts.repair.domain import train_domain
 from mergekit_darts.repair.heldout import prompt_count, split_held_out
 from mergekit_darts.settings import RunSettings
@@ -101,16 +102,6 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
         raise
     stage.commit()
     return report
-
-
-def before_after(values: Optional[dict], label: str, digits: int = 4) -> Optional[str]:
-    """``"label a -> b"`` from a {"before"/"mean_before", "after"/"mean_after"} entry, or None."""
-    values = values or {}
-    before = values.get("mean_before", values.get("before"))
-    after = values.get("mean_after", values.get("after"))
-    if before is None or after is None:
-        return None
-    return f"{label} {before:.{digits}f} -> {after:.{digits}f}"
 
 
 def summary_lines(report: dict) -> List[str]:

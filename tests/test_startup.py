@@ -153,3 +153,128 @@ def test_help_and_version_import_neither_torch_nor_mergekit():
     last = result.stdout.strip().splitlines()[-1]
     assert json.loads(last) == {"--help": [], "--version": []}
     assert "mergekit-darts, version" in result.stdout and "Commands:" in result.stdout
+
+
+# --- the command line: every --help and the metadata commands without torch (issue 26) ----------
+
+def _imports_after(args_list, cwd=None) -> dict:
+    """{args: the heavy modules imported by the time ``mergekit-darts ARGS`` returned}, one process."""
+    code = (
+        "import sys, json\n"
+        "from mergekit_darts.cli import main\n"
+        f"seen = {{}}\n"
+        f"for args in {args_list!r}:\n"
+        "    try:\n"
+        "        main(list(args), standalone_mode=True)\n"
+        "    except SystemExit as done:\n"
+        "        assert done.code in (0, None), (args, done.code)\n"
+        "    seen[' '.join(args)] = sorted(m for m in ('torch', 'transformers', 'mergekit', 'peft', 'numpy',"
+        " 'matplotlib') if m in sys.modules)\n"
+        "print(json.dumps(seen))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=_env(REPO, MERGEKIT_DARTS_DISABLE="1"),
+                            capture_output=True, text=True, timeout=120, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_every_command_help_imports_neither_torch_nor_mergekit():
+    from mergekit_darts.cli import COMMANDS
+
+    seen = _imports_after([(name, "--help") for name in COMMANDS])
+    assert seen == {f"{name} --help": [] for name in COMMANDS}
+
+
+def test_info_reads_an_output_without_torch(tmp_path):
+    out = tmp_path / "v010"
+    shutil.copytree(REPO / "tests" / "data" / "v0_1_0_output", out)
+    assert _imports_after([("info", str(out)), ("info", str(out), "--json")]) == {
+        f"info {out}": [], f"info {out} --json": []}
+
+
+def test_info_reads_the_shape_as_the_emitted_model_does():
+    """``layout.read_shape`` (torch-free, for ``info``) is ``SurgeryShape.from_meta`` without torch."""
+    import pytest
+
+    from mergekit_darts.output import layout
+    from mergekit_darts.remote_code import surgery
+
+    assert layout.SHAPE_FORMAT_VERSION == surgery.FORMAT_VERSION and layout.SHAPE_KEYS == surgery._SHAPE_KEYS
+    v1 = {"method": "darts", "rank": 4, "head_rank": 2, "max_positions": 8}
+    for meta in (v1, {**v1, "format_version": 2, "content": "linear"},
+                 {**v1, "format_version": 3, "content": "relu", "depth": 1, "depth_rank": 8}):
+        shape = surgery.SurgeryShape.from_meta(meta)
+        assert layout.read_shape(meta) == {**shape.to_meta(), "format_version": shape.format_version}
+    for bad in ({**v1, "format_version": 99}, {"method": "darts", "format_version": 3}, ["not", "a", "dict"]):
+        with pytest.raises(ValueError) as model_error:
+            surgery.SurgeryShape.from_meta(bad)
+        with pytest.raises(ValueError) as info_error:
+            layout.read_shape(bad)
+        assert str(info_error.value) == str(model_error.value)
+
+
+def _reference_run_command():
+    """``run`` built the way mergekit builds its own commands, from mergekit.options itself."""
+    import click
+    from mergekit.options import PrettyPrintHelp, add_merge_options
+
+    from mergekit_darts.cli.repair import run_command
+
+    @click.command("run", cls=PrettyPrintHelp, help=run_command.help)
+    @click.argument("config_file", metavar="CONFIG_FILE")
+    @click.argument("out_path", metavar="OUT_PATH")
+    @add_merge_options
+    def reference(merge_options, config_file, out_path):
+        return merge_options
+
+    return reference
+
+
+def test_run_declares_exactly_mergekits_merge_options():
+    import click
+
+    from mergekit_darts.cli.repair import run_command
+
+    reference = _reference_run_command()
+    ours = [p.to_info_dict() for p in run_command.params]
+    theirs = [p.to_info_dict() for p in reference.params]
+    assert [p["name"] for p in ours] == [p["name"] for p in theirs]
+    for mine, real in zip(ours, theirs):
+        assert mine == real, (mine["name"], {k: (mine[k], real.get(k)) for k in mine if mine[k] != real.get(k)})
+
+    def help_text(command):
+        with click.Context(command, info_name="run") as ctx:
+            return command.get_help(ctx)
+
+    assert help_text(run_command) == help_text(reference)
+
+
+def test_run_builds_the_merge_options_mergekit_would():
+    import click
+    from click.testing import CliRunner
+    from mergekit.options import add_merge_options as mergekits
+
+    from mergekit_darts.cli.merge_options import add_merge_options as ours
+
+    def capture(decorate):
+        built = []
+
+        @click.command()
+        @decorate
+        def command(merge_options):
+            built.append(merge_options)
+
+        return command, built
+
+    for args in ([], ["--cuda", "--out-shard-size", "1B", "-vv", "-j", "3", "--no-copy-tokenizer", "--random-seed", "7",
+                      "--lora-merge-cache", "/tmp/x", "--write-threads", "2"], ["--gpu-rich", "--out-shard-size", "500M"]):
+        results = []
+        for decorate in (ours, mergekits):
+            command, built = capture(decorate)
+            outcome = CliRunner().invoke(command, args, catch_exceptions=False)
+            assert outcome.exit_code == 0, outcome.output
+            results.append(built[0])
+        assert results[0] == results[1], args
+    command, _ = capture(ours)
+    bad = CliRunner().invoke(command, ["--out-shard-size", "lots"])
+    assert bad.exit_code == 2 and "'lots' is not a parameter count" in bad.output

@@ -258,3 +258,23 @@ def test_license_files_and_paper_citation():
 
     meta = {"method": "darts", "rank": 2, "max_positions": 8, "head_rank": 0, "loss": "ewl1", "domains": {"math": "m"}}
     assert "arxiv.org/abs/2608.28547" in card_section("LlamaForCausalLM", meta, "math", None, 10, 1000)
+
+
+# --- issue 26: info prints the router readably, accuracies with their sample sizes ------------
+
+def test_info_prints_the_router_readably_with_sample_sizes():
+    from mergekit_darts.cli.describe import info_lines
+
+    router = {"version": 1, "domains": ["math", "code"], "threshold": 0.02, "pooling": "mean_l2", "kind": "centroid",
+              "parameters": 134, "tensors": ["darts.router.centroids"], "split": "held_out",
+              "accuracy": {"math": 1.0, "code": 0.0}, "mean_accuracy": 0.8,
+              "confusion": {"math": {"math": 4, "code": 0, "none": 0}, "code": {"math": 0, "code": 0, "none": 1}},
+              "out_of_domain": {"source": "swapped_domains", "by_domain": {"math": 0.0, "code": 1.0}, "none_share": 0.5}}
+    info = {"architecture": "DartsLlamaForCausalLM", "content": "relu", "domains": {}, "parameters": 4742,
+            "merged_parameters": 26592, "share": 4742 / 26592, "router": router}
+    lines = info_lines(info)
+    assert "router held-out accuracy: math 100.0% (4/4), code 0.0% (0/1); pooled 80.0% (4/5)" in lines
+    assert "router confusion code: math=0 code=0 none=1" in lines
+    assert "content: relu" in lines and "parameters: 4,742 added (17.832% of the merged model's 26,592)" in lines
+    assert not any("{" in line or "mean_accuracy" in line for line in lines)  # no raw dicts, no "mean"
+    assert all(len(line) <= 160 for line in lines)

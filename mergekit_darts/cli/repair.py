@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import click
 
 from mergekit_darts.cli import read_config_file
+from mergekit_darts.cli.merge_options import PrettyPrintHelp, add_merge_options
 
 
 def surgery_options(func):
@@ -29,36 +30,28 @@ def surgery_run_options(device, cuda, random_seed, trust_remote_code, quiet) -> 
                            trust_remote_code=trust_remote_code, quiet=quiet)
 
 
-def _run_command():
-    from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
+@click.command("run", cls=PrettyPrintHelp)
+@click.argument("config_file", metavar="CONFIG_FILE")
+@click.argument("out_path", metavar="OUT_PATH")
+@add_merge_options
+def run_command(merge_options, config_file: str, out_path: str):
+    """Merge CONFIG_FILE into OUT_PATH, then run its surgery: block (like mergekit-yaml).
 
-    @click.command("run", cls=PrettyPrintHelp)
-    @click.argument("config_file", metavar="CONFIG_FILE")
-    @click.argument("out_path", metavar="OUT_PATH")
-    @add_merge_options
-    def run_command(merge_options: MergeOptions, config_file: str, out_path: str):
-        """Merge CONFIG_FILE into OUT_PATH, then run its surgery: block (like mergekit-yaml).
+    \b
+    CONFIG_FILE  a mergekit YAML with a surgery: block
+    OUT_PATH     the output directory (a loadable model directory when this ends)
+    """
+    from mergekit_darts.errors import SurgeryConfigError
+    from mergekit_darts.hook import original_run_merge
+    from mergekit_darts.pipeline import merge_and_repair, parse_config_source
 
-        \b
-        CONFIG_FILE  a mergekit YAML with a surgery: block
-        OUT_PATH     the output directory (a loadable model directory when this ends)
-        """
-        from mergekit_darts.errors import SurgeryConfigError
-        from mergekit_darts.hook import original_run_merge
-        from mergekit_darts.pipeline import merge_and_repair, parse_config_source
-
-        merge_options.apply_global_options()
-        source = read_config_file(config_file)
-        _, surgery = parse_config_source(source)
-        if surgery is None:
-            raise SurgeryConfigError(f"{config_file}: no surgery: block; use mergekit-yaml for a plain merge")
-        merge_and_repair(source, out_path, original_run_merge(), options=merge_options)
-        click.echo(f"Repaired merge written to {out_path}")
-
-    return run_command
-
-
-run_command = _run_command()  # importing this module imports mergekit: only when `run` is used
+    merge_options.apply_global_options()
+    source = read_config_file(config_file)
+    _, surgery = parse_config_source(source)
+    if surgery is None:
+        raise SurgeryConfigError(f"{config_file}: no surgery: block; use mergekit-yaml for a plain merge")
+    merge_and_repair(source, out_path, original_run_merge(), options=merge_options)
+    click.echo(f"Repaired merge written to {out_path}")
 
 
 @click.command("surgery")
@@ -85,9 +78,9 @@ def surgery_command(config_file: str, out_path: str, **options):
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def info_command(out_path: str, as_json: bool):
     """Domains, experts, parameter counts and report summary of a repaired directory OUT_PATH."""
-    from mergekit_darts.output.export import read_darts_info
-    from mergekit_darts.pipeline import before_after
-    from mergekit_darts.repair.budget import describe_share, share_of_7b
+    from mergekit_darts.cli.describe import info_lines
+    from mergekit_darts.output.info import read_darts_info
+    from mergekit_darts.repair.budget import share_of_7b
 
     info = read_darts_info(out_path)
     # what these settings would add per domain to a 7B-shaped model (the paper's budget: 0.1 %)
@@ -95,23 +88,5 @@ def info_command(out_path: str, as_json: bool):
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
-    for key, value in info.items():
-        if key == "domains":
-            continue
-        if key == "share" and value is not None:
-            value = f"{100 * value:.3f}% of the merged model's parameters"
-        if key == "share_7b":
-            value = describe_share(value)
-        click.echo(f"{key}: {value}")
-    for name, entry in info.get("domains", {}).items():
-        line = f"domain {name}: expert {entry.get('expert')}, {entry.get('parameters', 0):,} parameters"
-        calibration = entry.get("calibration")
-        if calibration:
-            line += f", calibration {calibration.get('train')} train / {calibration.get('held_out')} held-out"
-        for part in (before_after(entry.get("bias"), "held-out bias"),
-                     before_after(entry.get("held_out_kl"), "held-out KL")):
-            if part:
-                line += f", {part}"
-        if entry.get("train_seconds") is not None:
-            line += f", train {entry['train_seconds']:.1f} s"
+    for line in info_lines(info):
         click.echo(line)

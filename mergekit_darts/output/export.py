@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from mergekit_darts import __version__
-from mergekit_darts.errors import FormatError
 from mergekit_darts.output import card, layout
+from mergekit_darts.output.info import read_darts_info  # noqa: F401 - its former home
 from mergekit_darts.output.layout import (
     ARCH_PREFIX, DARTS_SHARD, INDEX, MODELING_FILES, NONE_DOMAIN, REPORT, RESERVED_DOMAINS, SINGLE_SHARD,
     SINGLE_WEIGHTS, STAGING_PREFIX, plain_architecture, plain_config, read_json, safetensors_header, write_json,
@@ -190,55 +190,3 @@ def export_surgery(
 
 # ---------------------------------------------------------------------------------------------- info
 
-def read_darts_info(out_dir: str) -> dict:
-    """Summary of a Darts output directory for ``mergekit-darts info``: domains, experts, parameter
-    counts and the report's per-domain numbers."""
-    config = layout.read_config(out_dir)
-    meta = layout.read_darts_entry(out_dir)
-    shape = SurgeryShape.from_meta(meta)
-    shard = os.path.join(out_dir, DARTS_SHARD)
-    header = safetensors_header(shard) if os.path.exists(shard) else {}
-    report_path = os.path.join(out_dir, REPORT)
-    report = read_json(report_path) if os.path.exists(report_path) else {}
-    try:
-        merged_params = layout.merged_parameter_count(out_dir)
-    except (FormatError, FileNotFoundError):
-        merged_params = 0
-    domains = {}
-    for name, expert in (meta.get("domains") or {}).items():
-        mine = {k: v for k, v in header.items() if k.startswith(layout.darts_tensor_name(name, ""))}
-        info = {"expert": expert, "parameters": layout.numel(mine), "tensors": sorted(mine)}
-        for key in ("calibration", "final_loss", "bias", "held_out_kl", "train_seconds", "selection"):
-            if key in report.get("domains", {}).get(name, {}):
-                info[key] = report["domains"][name][key]
-        domains[name] = info
-    router = _router_info(meta, header, report)
-    added = sum(d["parameters"] for d in domains.values()) + (router["parameters"] if router else 0)
-    return {
-        "architecture": (config.get("architectures") or [None])[0],
-        "default_domain": config.get(layout.DOMAIN_KEY, NONE_DOMAIN),
-        **{key: value for key, value in shape.to_meta().items() if key != "format_version"},
-        "loss": meta.get("loss"),
-        "format_version": shape.format_version,
-        "version": meta.get("version"),
-        "domains": domains,
-        "parameters": added,
-        "merged_parameters": merged_params,
-        "share": added / merged_params if merged_params else None,
-        "has_modeling_files": all(os.path.exists(os.path.join(out_dir, f)) for f in MODELING_FILES),
-        "router": router,
-    }
-
-
-def _router_info(meta: dict, header: dict, report: dict) -> Optional[dict]:
-    """The router's settings, tensors and measured routing (None for a directory without a router)."""
-    settings = meta.get(layout.ROUTER_NAME)
-    if not isinstance(settings, dict):
-        return None
-    mine = {k: v for k, v in header.items() if k.startswith(layout.darts_tensor_name(layout.ROUTER_NAME, ""))}
-    info = {**settings, "parameters": layout.numel(mine), "tensors": sorted(mine)}
-    measured = report.get(layout.ROUTER_NAME) or {}
-    for key in ("split", "accuracy", "mean_accuracy", "confusion", "out_of_domain"):
-        if key in measured:
-            info[key] = measured[key]
-    return info

@@ -86,6 +86,33 @@ def read_darts_entry(model_dir: str) -> dict:
     return entry
 
 
+# the module shape's description in config.darts (remote_code/surgery.py: FORMAT_VERSION and
+# _SHAPE_KEYS, tested equal; read_shape is SurgeryShape.from_meta without torch, tested to agree)
+SHAPE_FORMAT_VERSION = 3
+SHAPE_KEYS = ("method", "rank", "head_rank", "max_positions", "content", "depth", "depth_rank")
+
+
+def read_shape(meta: dict) -> dict:
+    """The shape keys of a darts entry, upgraded from older format versions, plus its
+    ``format_version``; ValueError for an unknown version or a missing key (no silent defaults)."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"config.darts: expected a mapping, got {type(meta).__name__}")
+    version = meta.get("format_version", 1)
+    if version == 1:  # mergekit-darts 0.1.x: ReLU content was the only kind
+        meta = {**meta, "content": "relu"}
+    if version in (1, 2):  # before depth existed: the final state only
+        meta = {**meta, "depth": 0, "depth_rank": 0}
+    elif version != SHAPE_FORMAT_VERSION:
+        raise ValueError(
+            f"config.darts.format_version {version!r} is not supported by this mergekit-darts "
+            f"(it reads versions 1 to {SHAPE_FORMAT_VERSION}); upgrade mergekit-darts"
+        )
+    missing = [key for key in SHAPE_KEYS if key not in meta]
+    if missing:
+        raise ValueError(f"config.darts: missing {', '.join(missing)}; the directory was not written by mergekit-darts")
+    return {**{key: meta[key] for key in SHAPE_KEYS}, "format_version": version}
+
+
 def darts_entry(shape_meta: dict, loss: str, domains: Dict[str, str], package_version: str,
                 extra: Optional[dict] = None) -> dict:
     """The ``config.json`` darts entry: the module shape (``SurgeryShape.to_meta``), the training loss,

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from mergekit_darts.console import routing_accuracy
 from mergekit_darts.remote_code.routing import NO_ROUTE, DomainRouter, pool_prompt_states
 
 LOG = logging.getLogger(__name__)
@@ -175,8 +176,7 @@ def train_router(pooled: Dict[str, torch.Tensor], splits: Dict[str, Tuple[torch.
 
 def summary_lines(entry: dict) -> List[str]:
     """Console lines for the pipeline summary."""
-    accuracies = ", ".join(f"{name} {'-' if value is None else f'{100 * value:.1f}%'}"
-                           for name, value in entry.get("accuracy", {}).items())
+    accuracies = routing_accuracy(entry)
     split = "held-out" if entry.get("split") == "held_out" else "training-set"
     lines = [f"router ({entry.get('kind')}, threshold {entry.get('threshold')}): {split} routing accuracy {accuracies}"]
     labels: Sequence[str] = [*entry.get("domains", []), NONE_LABEL]
