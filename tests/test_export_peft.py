@@ -36,7 +36,7 @@ def test_adapters_give_each_domains_logits(tiny_family, tied_merged, tmp_path, t
     dest = tmp_path / "adapters"
     result = CliRunner().invoke(main, ["export-peft", out, str(dest)])
     assert result.exit_code == 0, result.output
-    assert sorted(os.listdir(dest)) == ["code", "math"]
+    assert sorted(os.listdir(dest)) == ["base-model", "code", "math"]
     config = json.loads((dest / "math" / "adapter_config.json").read_text())
     assert config["r"] == 3 + head_rank and config["lora_alpha"] == config["r"]
     assert config["target_modules"] == ["lm_head"] and config["peft_type"] == "LORA"
@@ -66,7 +66,7 @@ def test_one_domain_and_position_table(tiny_family, tmp_path):
     assert result.exit_code == 2 and "method: 'darts'" in result.output and not (tmp_path / "a").exists()
 
     summaries = export_peft(out, str(tmp_path / "b"), ["code"], drop_position_bias=True)
-    assert list(summaries) == ["code"] and sorted(os.listdir(tmp_path / "b")) == ["code"]
+    assert list(summaries) == ["code", "base-model"] and sorted(os.listdir(tmp_path / "b")) == ["base-model", "code"]
     remote, plain = _models(out)
     ids = _ids(plain.config.vocab_size, seed=3)
     # with the table dropped, the adapter is the remote model without its position correction
@@ -76,3 +76,99 @@ def test_one_domain_and_position_table(tiny_family, tmp_path):
     remote.set_darts_domain("code")
     model = PeftModel.from_pretrained(plain, str(tmp_path / "b" / "code"))
     assert_same_logits(logits_of(model, ids), logits_of(remote, ids))
+
+
+def _snapshot(directory):
+    """Every file of ``directory`` with its bytes: what 'OUT is not modified' is checked against."""
+    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))
+            if (directory / name).is_file()}
+
+
+def _with_stale_head(tied_merged, path):
+    """The tied merge with a different ``lm_head.weight`` in the checkpoint, which transformers 5 then
+    loads as the head (it does not tie unequal tensors): the base must keep that head."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tied_merged, path)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"] = torch.randn_like(weights["model.embed_tokens.weight"])
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.mark.parametrize("merge", ["untied", "tied", "tied_stale_head"])
+def test_plain_base_beside_the_adapters_merges_exactly(tiny_family, tied_merged, tmp_path, merge):
+    """DEST/base-model: the plain architecture, weights hard-linked from OUT (OUT unchanged), an untied
+    lm_head for a tied merge; AutoPeftModel finds it through base_model_name_or_path, and
+    merge_and_unload on it gives every domain's remote-code logits with the embeddings untouched."""
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = {"untied": tiny_family["merged"], "tied": tied_merged,
+              "tied_stale_head": _with_stale_head(tied_merged, tmp_path / "stale") if merge != "untied" else None}[merge]
+    out = linear_surgery_output(merged, tmp_path / "out", head_rank=2, rank=3)
+    before = _snapshot(tmp_path / "out")
+    dest = tmp_path / "adapters"
+    result = CliRunner().invoke(main, ["export-peft", out, str(dest)])
+    assert result.exit_code == 0, result.output
+    assert _snapshot(tmp_path / "out") == before  # OUT: not a byte changed, nothing added or removed
+
+    base = dest / "base-model"
+    config = json.loads((base / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
+    assert not {"auto_map", "darts", "darts_domain"} & set(config)
+    assert not [name for name in os.listdir(base) if name.endswith(".py") or name.startswith("darts")]
+    source_shard = os.stat(os.path.join(out, "model-00001-of-00001.safetensors"))
+    embed = load_tensor(os.path.join(out, "model-00001-of-00001.safetensors"), "model.embed_tokens.weight")
+    if merge != "tied":  # the checkpoint has its head: every file is a hard link, not a copy
+        assert sorted(n for n in os.listdir(base) if "safetensors" in n) == ["model.safetensors"]
+        assert os.stat(base / "model.safetensors").st_ino == source_shard.st_ino
+    else:
+        index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+        head_file = index.pop("lm_head.weight")
+        assert set(index.values()) == {"model-00001-of-00002.safetensors"} and head_file == "model-00002-of-00002.safetensors"
+        assert os.stat(base / "model-00001-of-00002.safetensors").st_ino == source_shard.st_ino
+        assert load_keys(str(base / head_file)) == {"lm_head.weight"}
+        assert torch.equal(load_tensor(str(base / head_file), "lm_head.weight"), embed)  # the tied head, now its own
+    for domain in ("math", "code"):
+        adapter = json.loads((dest / domain / "adapter_config.json").read_text())
+        assert adapter["base_model_name_or_path"] == str(base)
+
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain="none").eval()
+    ids = _ids(config["vocab_size"], seed=4)
+    plain = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+    assert type(plain).__name__ == "LlamaForCausalLM"
+    assert plain.lm_head.weight.data_ptr() != plain.model.embed_tokens.weight.data_ptr()
+    assert_same_logits(logits_of(plain, ids), logits_of(remote, ids))
+    for domain in ("math", "code"):
+        remote.set_darts_domain(domain)
+        expected = logits_of(remote, ids)
+        auto = AutoPeftModelForCausalLM.from_pretrained(str(dest / domain)).eval()  # base found by its config
+        assert_same_logits(logits_of(auto, ids), expected)
+        fresh = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+        unloaded = PeftModel.from_pretrained(fresh, str(dest / domain)).merge_and_unload()
+        assert type(unloaded).__name__ == "LlamaForCausalLM"
+        assert_same_logits(logits_of(unloaded, ids), expected)
+        assert torch.equal(unloaded.model.embed_tokens.weight.detach(), embed)  # only the output matrix moved
+
+
+def test_copy_base_copies_instead_of_linking(tiny_family, tmp_path):
+    out = linear_surgery_output(tiny_family["merged"], tmp_path / "out")
+    summaries = export_peft(out, str(tmp_path / "adapters"), ["math"], copy_base=True)
+    assert summaries["base-model"]["copied"] == ["model.safetensors"] and not summaries["base-model"]["linked"]
+    copied = tmp_path / "adapters" / "base-model" / "model.safetensors"
+    source = os.path.join(out, "model-00001-of-00001.safetensors")
+    assert os.stat(copied).st_ino != os.stat(source).st_ino
+    assert copied.read_bytes() == open(source, "rb").read()
+
+
+def load_tensor(path, name):
+    with safe_open(path, "pt") as handle:
+        return handle.get_tensor(name)
+
+
+def load_keys(path):
+    with safe_open(path, "pt") as handle:
+        return set(handle.keys())

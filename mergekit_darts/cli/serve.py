@@ -46,17 +46,27 @@ def bake_command(out_path: str, dest: str, domain: str, drop_position_bias: bool
 @click.argument("dest", metavar="DEST")
 @click.option("--domain", "domains", multiple=True, help="Export only this domain (repeatable; default: all).")
 @click.option("--drop-position-bias", is_flag=True, help=DROP_HELP)
-def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: bool):
-    """Write DEST/<domain>/: one PEFT LoRA adapter on lm_head per domain, for the plain merge in OUT_PATH.
+@click.option("--copy-base", is_flag=True,
+              help="Copy the merged weights into DEST/base-model instead of hard-linking them to OUT_PATH's.")
+def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: bool, copy_base: bool):
+    """Write DEST/<domain>/: one PEFT LoRA adapter on lm_head per domain, and DEST/base-model/: the
+    plain merge they sit on (plain config, own lm_head when tied; weights hard-linked from OUT_PATH).
 
     \b
-    OUT_PATH  a repaired directory trained with `content: linear`
-    DEST      a new directory; load with PeftModel.from_pretrained(plain_merge, "DEST/<domain>")
+    OUT_PATH  a repaired directory trained with `content: linear` (left unchanged)
+    DEST      a new directory; load with PeftModel.from_pretrained(base, "DEST/<domain>"), where
+              base = AutoModelForCausalLM.from_pretrained("DEST/base-model"), or with
+              AutoPeftModelForCausalLM.from_pretrained("DEST/<domain>")
     """
     from mergekit_darts.output.bake import held_out_kl_note
-    from mergekit_darts.output.peft_export import export_peft
+    from mergekit_darts.output.peft_export import BASE_DIR, export_peft
 
-    summaries = export_peft(out_path, dest, list(domains) or None, drop_position_bias=drop_position_bias)
+    summaries = export_peft(out_path, dest, list(domains) or None, drop_position_bias=drop_position_bias,
+                            copy_base=copy_base)
+    base = summaries.pop(BASE_DIR)
+    files = ", ".join(f"{len(base[key])} {key}" for key in ("linked", "copied", "written") if base[key])
+    click.echo(f"{BASE_DIR}: plain {base['architecture']}{' with an untied lm_head' if base['untied_head'] else ''} "
+               f"-> {dest}/{BASE_DIR} (weight files: {files})")
     for name, summary in summaries.items():
         if summary["dropped_position_bias"]:
             for line in _kl_lines(name, held_out_kl_note(out_path, name)):

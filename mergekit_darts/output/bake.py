@@ -117,14 +117,14 @@ def check_foldable(shape: SurgeryShape, drop_position_bias: bool, allow_depth: b
 
 
 def merged_head_source(out_dir: str, config: dict) -> str:
-    """The tensor that is the merged LM head: ``lm_head.weight``, or the input embeddings when tied."""
+    """The tensor that is the merged LM head as transformers 5 loads it: ``lm_head.weight`` when the
+    checkpoint has one (with ``tie_word_embeddings: true`` and a *different* ``lm_head.weight`` it does not
+    tie them: "both are present in the checkpoints with different values"), else the input embeddings."""
     names = layout.merged_weight_map(out_dir)
-    if not config.get("tie_word_embeddings", False) and HEAD_KEY in names:
+    if HEAD_KEY in names:
         return HEAD_KEY
     if EMBED_KEY in names:
         return EMBED_KEY
-    if HEAD_KEY in names:
-        return HEAD_KEY
     raise FormatError(f"{out_dir}: neither {HEAD_KEY} nor {EMBED_KEY} in the merged weights")
 
 

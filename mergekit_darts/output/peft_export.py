@@ -8,9 +8,12 @@ with rank ``head_rank + rank``. With ``lora_alpha = r`` PEFT's scaling is 1 and 
 merged model (OUT loaded without remote code) gives exactly that domain's logits. The files are
 written here (safetensors + JSON in PEFT's format) rather than through a PEFT model, so peft is not a
 dependency and no model is loaded; tests load them with ``PeftModel.from_pretrained``.
-Only ``lora_A``/``lora_B`` are stored (PEFT would also save the whole head for an ``lm_head`` target),
-which is also what keeps a tied head working: the adapter adds to the head's output, the shared
-embedding matrix is never changed.
+Only ``lora_A``/``lora_B`` are stored (PEFT would also save the whole head for an ``lm_head`` target).
+
+``DEST/base-model/`` is the plain base the adapters name in ``base_model_name_or_path``
+(``plain_base``): the plain architecture and the merged weights, hard-linked from OUT, with an LM head
+of its own for a tied merge, so llama.cpp's ``convert_lora_to_gguf.py``, PEFT's ``merge_and_unload`` and
+servers all find a separate ``lm_head`` matrix that the LoRA changes without touching the embeddings.
 
 A ``depth: k`` output's block adapters (``y + up(down(x))`` on the last k blocks' linears) are LoRAs
 already: they go into the same adapter as ``model.layers.<i>.<path>`` targets (scaling 1, their rank
@@ -29,6 +32,7 @@ from mergekit_darts.output import layout
 from mergekit_darts.output.bake import (
     ROW_CHUNK, DomainFold, load_domain_fold, merged_head_source, read_merged_tensor, staged_directory,
 )
+from mergekit_darts.output.plain_base import write_plain_base
 
 # PEFT's names for a LoRA on the top-level ``lm_head`` of a causal LM (peft.utils.save_and_load:
 # get_peft_model_state_dict drops the adapter name, keeping ``base_model.model.<module>.lora_X.weight``)
@@ -36,6 +40,8 @@ LORA_A_KEY = "base_model.model.lm_head.lora_A.weight"
 LORA_B_KEY = "base_model.model.lm_head.lora_B.weight"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# beside DEST/<domain>/; a domain name never contains '-' (config.DOMAIN_NAME), so the two cannot collide
+BASE_DIR = "base-model"
 
 
 @torch.no_grad()
@@ -102,8 +108,10 @@ def adapter_config(base_model: str, rank: int, block_modules: Sequence[str] = ()
 
 
 def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
-                drop_position_bias: bool = False) -> Dict[str, dict]:
-    """Write ``dest/<domain>/`` adapters for ``domains`` (default: all); returns {domain: summary}."""
+                drop_position_bias: bool = False, copy_base: bool = False) -> Dict[str, dict]:
+    """Write ``dest/<domain>/`` adapters for ``domains`` (default: all) and their plain base
+    ``dest/base-model/`` (weights hard-linked from ``out_dir``, or copied with ``copy_base``);
+    returns {domain: summary, ..., "base-model": the base's summary}."""
     meta = layout.read_darts_entry(out_dir)
     known = list(meta.get("domains") or {})
     domains = list(domains or known)
@@ -115,8 +123,10 @@ def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
     layout.plain_architecture(config)  # a FormatError now for an architecture the emitted classes lack
     head = read_merged_tensor(out_dir, merged_head_source(out_dir, config))
     summaries = {}
+    base_path = os.path.join(os.path.abspath(dest), BASE_DIR)  # where the base is once staged in
 
     def write(stage):
+        base = write_plain_base(out_dir, os.path.join(stage, BASE_DIR), copy=copy_base)
         for fold in folds:
             lora_b, lora_a = lora_factors(head, fold)
             folder = os.path.join(stage, fold.domain)
@@ -126,10 +136,10 @@ def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
                       os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
             block_modules = [f"model.layers.{name}" for name in sorted(fold.blocks or {})]
             layout.write_json(os.path.join(folder, ADAPTER_CONFIG),
-                              adapter_config(os.path.abspath(out_dir), lora_a.shape[0], block_modules,
-                                             fold.shape.depth_rank))
+                              adapter_config(base_path, lora_a.shape[0], block_modules, fold.shape.depth_rank))
             summaries[fold.domain] = {"rank": lora_a.shape[0], "dropped_position_bias": fold.dropped_position_bias,
                                       "block_modules": len(block_modules)}
+        summaries[BASE_DIR] = base
 
     staged_directory(dest, write)
     return summaries
