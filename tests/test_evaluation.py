@@ -196,3 +196,21 @@ def test_eval_command_on_a_darts_directory(tiny_family, tmp_path, data_files):
     assert header.split()[-2:] == ["none", "math"]
     saved = json.loads((tmp_path / "res" / "results.json").read_text())
     assert [run["domain"] for run in saved] == ["none", "math"]
+
+
+def test_eval_auto_routes_each_request_through_the_darts_model(tiny_family, tmp_path, data_files):
+    """`eval --domain auto`: lm-eval's darts model routes every request on its prompt and says where they went."""
+    from click.testing import CliRunner
+    from helpers import quick_surgery_output
+
+    from mergekit_darts.cli.evaluate import eval_command
+
+    out = quick_surgery_output(tiny_family, tmp_path / "darts", tmp_path / "cache", domains=("math", "code"))
+    result = CliRunner().invoke(eval_command, [
+        out, "--domain", "auto", "--trust-remote-code", "--data", data_files["gsm8k_darts"], "--limit", "3",
+        "--max-gen-toks", "2", "--device", "cpu", "--batch-size", "2", "--output-dir", str(tmp_path / "res")])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    [run] = json.loads((tmp_path / "res" / "results.json").read_text())
+    assert run["domain"] == "auto" and sum(run["routed"].values()) == 3
+    assert set(run["routed"]) <= {"math", "code", "none"}
+    assert "auto: 3 requests routed on their context" in result.output

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 TASKS = ("gsm8k_darts", "humaneval_darts", "alpaca_darts")
 DATA_TASKS = ("gsm8k_darts", "alpaca_darts")  # tasks that need a user-supplied data file
 from mergekit_darts.errors import EvaluationError  # noqa: E402,F401  (re-exported)
-from mergekit_darts.output.layout import NONE_DOMAIN, is_darts_dir  # noqa: E402
+from mergekit_darts.output.layout import AUTO_DOMAIN, NONE_DOMAIN, is_darts_dir  # noqa: E402
 
 LOG = logging.getLogger(__name__)
 
@@ -231,11 +231,17 @@ def evaluate(
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    model: Any = "hf"
+    if args.get("trust_remote_code"):
+        # lm-eval's ``darts`` model: "auto" routed per request on its context, fixed domains as ``hf``
+        from mergekit_darts.evaluation.lmeval_model import DartsLM
+
+        model = DartsLM(**args, batch_size=batch_size, device=device)
     with tempfile.TemporaryDirectory(prefix="darts-tasks-") as include:
         prepare_tasks(tasks, data, include)
         manager = TaskManager(include_path=include, include_defaults=False)
         results = lm_eval.simple_evaluate(
-            model="hf", model_args=args, tasks=tasks, task_manager=manager, limit=limit,
+            model=model, model_args=None if model != "hf" else args, tasks=tasks, task_manager=manager, limit=limit,
             batch_size=batch_size, device=device, log_samples="alpaca_darts" in tasks,
             gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
             apply_chat_template=apply_chat_template, confirm_run_unsafe_code=allow_code_execution,
@@ -243,6 +249,8 @@ def evaluate(
         )
     out: Dict[str, Any] = {"model": model_dir, "domain": domain, "limit": limit,
                            "tasks": {t: _scores(results["results"].get(t, {})) for t in tasks}}
+    if domain == AUTO_DOMAIN:
+        out["routed"] = dict(sorted(model.route_counts.items()))  # requests scored per routed domain
     if "alpaca_darts" in tasks:
         generator = f"{os.path.basename(os.path.normpath(model_dir))}-darts-{domain}"
         records = alpaca_model_outputs(results.get("samples", {}).get("alpaca_darts", []), generator)
@@ -270,4 +278,8 @@ def results_table(runs: Sequence[Dict[str, Any]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    for run in runs:
+        if run.get("routed"):
+            counts = ", ".join(f"{name} {count}" for name, count in run["routed"].items())
+            lines.append(f"auto: {sum(run['routed'].values())} requests routed on their context: {counts}")
     return "\n".join(lines)
