@@ -6,6 +6,7 @@ appending an answer often moves a prompt to another domain: exactly the case whe
 context + continuation (what ``--model hf`` does) scores the choices of one question differently."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -148,3 +149,24 @@ def test_darts_model_needs_trust_remote_code_and_a_darts_directory(routed, tmp_p
     make_random_model(plain, seed=0)
     with pytest.raises(EvaluationError, match="not a mergekit-darts output"):
         DartsLM(pretrained=plain, trust_remote_code=True, device="cpu")
+
+
+def test_lm_eval_command_line_with_the_darts_model(routed, tmp_path):
+    """`python -m mergekit_darts.evaluation.lmeval_model run --model darts ...`: lm-eval's own command line."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "mergekit_darts.evaluation.lmeval_model", "run", "--model", "darts", "--model_args",
+         f"pretrained={routed['path']},trust_remote_code=True,darts_domain=auto", "--tasks", "darts_mc_test",
+         "--include_path", routed["include"], "--device", "cpu", "--batch_size", "4", "--log_samples",
+         "--output_path", str(tmp_path / "results")], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [samples] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "results") for f in files
+                 if f.startswith("samples_darts_mc_test")]
+    with open(samples) as handle:
+        scores = {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in map(json.loads, handle)}
+    expected = _choice_scores(_lm(routed["path"], "auto", 1), routed["include"])
+    for doc, values in expected.items():
+        assert [float(v) for v in scores[doc]] == pytest.approx(values, abs=1e-5)

@@ -32,7 +32,8 @@ README = """# Plain base of {source}
 
 The merged model of `{source}` without remote code or surgery (`{arch}`), written by
 `mergekit-darts export-peft` as the base for the adapters in the folders next to this one.
-{tied}Weight files: {weights}.
+{tied}Weight files: {weights}. A hard link is the same file as the source's: anything that rewrites
+that file in place (not mergekit-darts, which only renames it) changes this base too.
 """
 
 
