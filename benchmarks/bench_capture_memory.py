@@ -6,7 +6,7 @@ reports its own peak RSS (``VmHWM`` from /proc/self/status: the kernel's high-wa
 polling gaps; not ``ru_maxrss``, which on Linux inherits the parent's RSS across fork+exec).
 Modes, interleaved and repeated:
 
-* ``baseline``: the interpreter with torch, transformers and mergekit_darts.repair.capture imported and
+* ``baseline``: the interpreter with torch, transformers and mergekit_darts.repair.capture.domains imported and
                 one forward of a 32-wide Llama run (every mode does this first);
 * ``load``:     baseline + ``from_pretrained`` of the merged model + one forward of one capture batch
                 (the floor: what holding one model costs);
@@ -119,7 +119,8 @@ def child(args) -> dict:
     from transformers import AutoModelForCausalLM  # noqa: F401
     from transformers.utils import logging as hf_logging
 
-    from mergekit_darts.repair.capture import DomainCaptureSpec, capture_domains
+    from mergekit_darts.repair.capture.context import CaptureContext
+    from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_domains
 
     hf_logging.set_verbosity_error()
     warm_up_runtime()
@@ -136,7 +137,7 @@ def child(args) -> dict:
             model.model(**batch)
     elif args.child == "entropy":
         # the transient of one token_entropy call at capture's batch shape (what capture adds over "load")
-        from mergekit_darts.repair.losses import token_entropy
+        from mergekit_darts.repair.capture.entropy import token_entropy
 
         states = torch.randn(args.batch_size, args.max_positions, args.hidden)
         head = torch.randn(args.vocab, args.hidden)
@@ -148,8 +149,9 @@ def child(args) -> dict:
         specs = [DomainCaptureSpec(name=d, expert=family[d], texts=calibration_texts(d, args.samples, args.max_positions - 2))
                  for d in DOMAINS]
         with tempfile.TemporaryDirectory() as cache:
-            captured = capture_domains(family["merged"], specs, args.max_positions, dtype="float32", device="cpu",
-                                       batch_size=args.batch_size, cache_dir=cache, progress=False)
+            ctx = CaptureContext.open(family["merged"], args.max_positions, dtype="float32", device="cpu",
+                                      batch_size=args.batch_size, cache_dir=cache, progress=False)
+            captured = capture_domains(ctx, specs)
         cached = tensor_bytes(captured.merged_head)
         for data in captured.domains.values():
             for name in ("input_ids", "attention_mask", "position_ids", "merged_hidden", "expert_hidden",

@@ -43,7 +43,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from mergekit_darts.repair.capture import DomainCaptureSpec, capture_domains
+    from mergekit_darts.repair.capture.context import CaptureContext
+    from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_domains
     from mergekit_darts.tiny import DEFAULT_WORDS, build_tokenizer, make_random_model
 
     work = tempfile.mkdtemp(prefix="bench-capture-sharded-")
@@ -63,9 +64,9 @@ def main(argv=None):
     counter = iter(range(10 ** 6))
 
     def capture(**kwargs):
-        return lambda: capture_domains(merged, spec, args.tokens, device="cpu", dtype="float32", progress=False,
-                                       batch_size=args.batch_size, cache_dir=os.path.join(work, f"c{next(counter)}"),
-                                       **kwargs)
+        return lambda: capture_domains(CaptureContext.open(
+            merged, args.tokens, device="cpu", dtype="float32", progress=False, batch_size=args.batch_size,
+            cache_dir=os.path.join(work, f"c{next(counter)}"), **kwargs), spec)
 
     variants = {"plain": capture(), "offload": capture(device_map="auto", max_memory={"cpu": model_bytes // 2})}
     log(f"model: {params / 1e6:.1f} M params ({model_bytes / 2**20:.0f} MiB float32); capture of 2 models x "

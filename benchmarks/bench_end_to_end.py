@@ -134,15 +134,16 @@ def phases_in_process(config_source: str, out_dir: str) -> dict:
     from mergekit.config import MergeConfiguration
     from mergekit.options import MergeOptions
 
-    import mergekit_darts.repair.capture as capture
     import mergekit_darts.output.export as export
-    import mergekit_darts.repair.train as train
+    import mergekit_darts.repair.capture.domains as capture
+    import mergekit_darts.repair.train.selection as train
     from mergekit_darts import hook
     from mergekit_darts.pipeline import merge_and_repair, parse_config_source
 
     timer = PhaseTimer()
     saved = (capture.capture_domains, train.train_surgery, export.export_surgery)
-    # pipeline.repair_directory imports these names from their modules at call time: patch the modules
+    # the pipeline imports capture_domains / export_surgery at call time, and fit calls the train_surgery
+    # of its module (train/selection.py): patch those modules' names
     capture.capture_domains = timer.wrap("capture", capture.capture_domains)
     train.train_surgery = timer.wrap("train", train.train_surgery)
     export.export_surgery = timer.wrap("export", export.export_surgery)

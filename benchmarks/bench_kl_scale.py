@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import interleaved, log, machine_info, median, print_table, timed, write_json  # noqa: E402
 
-from mergekit_darts.repair.kl_targets import build_kl_target, kl_to_target  # noqa: E402
-from mergekit_darts.repair.losses import kl_loss  # noqa: E402
+from mergekit_darts.repair.train.kl import build_kl_target, kl_to_target  # noqa: E402
+from mergekit_darts.repair.train.kl import kl_loss  # noqa: E402
 
 # matmuls of [P x H] x [H x V] per step (each 2 P H V FLOP)
 MATMULS = {"exact": 5, "cached-chunked": 3, "cached-single": 2, "bf16-dense": 2}

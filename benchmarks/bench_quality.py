@@ -43,7 +43,7 @@ def run_variant(demo_dir: str, name: str, overrides: dict, score: bool, test=Non
     import torch
 
     from mergekit_darts.pipeline import capture_step, export_step, parse_config_source, router_step
-    from mergekit_darts.repair.domain import train_domain
+    from mergekit_darts.repair.train.domain import train_domain
     from mergekit_darts.settings import RunSettings
 
     with open(os.path.join(demo_dir, "demo.yml")) as handle:

@@ -1,6 +1,6 @@
 """Surgery training speed on cached tensors, and the speed-up over recomputing the merged model.
 
-Part 1 — steps/s of ``mergekit_darts.repair.train.train_surgery`` (the real training loop, full batch,
+Part 1 — steps/s of ``mergekit_darts.repair.train.loop.train_surgery`` (the real training loop, full batch,
 Adam) on random cached tensors at the paper's shapes (H=4096, T=512, N=50, rank 16), per loss:
 l1, ewl1 (hidden-state losses) and kl (vocabulary ``--kl-vocab``, its own smaller N/T by default
 because every kl step is several [positions x vocab x H] matmuls). The shapes actually run are
@@ -89,7 +89,7 @@ def sync_for(device):
 
 
 def train_fn(module, data, loss, steps, heads=None):
-    from mergekit_darts.repair.train import train_surgery
+    from mergekit_darts.repair.train.loop import train_surgery
 
     heads = heads or {}
 

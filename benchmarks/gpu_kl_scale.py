@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import log, machine_info, print_table, write_json  # noqa: E402
 
 from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape  # noqa: E402
-from mergekit_darts.repair.train import train_surgery  # noqa: E402
+from mergekit_darts.repair.train.loop import train_surgery  # noqa: E402
 
 VARIANTS = {
     "exact": {},

@@ -28,16 +28,17 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "router_measure.json"))
     args = parser.parse_args()
 
-    from mergekit_darts.pipeline import capture_step, parse_config_source
-    from mergekit_darts.repair.heldout import split_held_out
-    from mergekit_darts.repair.capture import DomainCaptureSpec, capture_merged_prompts
+    from mergekit_darts.pipeline import capture_context, capture_step, parse_config_source
+    from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
+    from mergekit_darts.repair.train.split import split_held_out
     from mergekit_darts.repair.router import accuracy, confusion, fit_router, none_share, pooled_prompts
     from mergekit_darts.settings import RunSettings
 
     merged = os.path.join(args.workdir, "merged")
     _, surgery = parse_config_source(open(os.path.join(args.workdir, "demo.yml")).read())
     settings = RunSettings.resolve(surgery, progress=False)
-    captured = capture_step(merged, surgery, settings)
+    ctx = capture_context(merged, surgery, settings)
+    captured = capture_step(merged, surgery, settings, ctx=ctx)
     pooled = {name: pooled_prompts(data) for name, data in captured.domains.items()}
     splits = {name: split_held_out(rows.shape[0], surgery.held_out, settings.seed) for name, rows in pooled.items()}
     train = {name: rows[splits[name][0]] for name, rows in pooled.items()}
@@ -47,9 +48,7 @@ def main():
         with open(os.path.join(args.workdir, "data", f"{name}_test.jsonl")) as handle:
             texts = [json.loads(line)["prompt"] for line in handle if line.strip()]
         spec = DomainCaptureSpec(name=f"test_{name}", expert=merged, texts=texts)
-        test[name] = pooled_prompts(capture_merged_prompts(
-            merged, spec, surgery.max_positions, dtype="float32", device="cpu", batch_size=25,
-            cache_dir=surgery.cache_dir, progress=False))
+        test[name] = pooled_prompts(capture_merged_prompts(ctx, spec))
     every = {name: torch.cat([pooled[name], test[name]]) for name in pooled}
 
     results = {"workdir": os.path.abspath(args.workdir), "records": {

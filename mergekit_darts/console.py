@@ -3,7 +3,7 @@
 Library modules log with ``logging.getLogger(__name__)`` and print nothing themselves. A command
 (``mergekit-darts ...`` or ``mergekit-yaml`` through the hook) wraps its run in ``user_logging()``:
 records of the ``mergekit_darts`` loggers are then printed as ``mergekit-darts: warning: ...``
-(not mergekit's ``WARNING:mergekit_darts.repair.calibration:...`` root format), and each distinct
+(not mergekit's ``WARNING:mergekit_darts.repair.capture.calibration:...`` root format), and each distinct
 message only once per run, because ``compare`` and the demo run the same steps many times and the
 same warning about the same input says nothing new the second time. Outside a command (tests,
 library use) records propagate to the root logger untouched.

@@ -19,8 +19,8 @@ import yaml
 from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
                                    split_yaml)
 from mergekit_darts.console import before_after
-from mergekit_darts.repair.domain import train_domain
-from mergekit_darts.repair.heldout import prompt_count, split_held_out
+from mergekit_darts.repair.train.domain import train_domain
+from mergekit_darts.repair.train.split import prompt_count, split_held_out
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -147,7 +147,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
                      texts: Optional[Dict[str, List[str]]] = None) -> dict:
     """capture → train each domain → export on a merged directory. Atomic: on failure ``out_path``
     stays a plain merge. ``texts``: each domain's calibration texts as the pre-merge checks loaded them."""
-    captured = capture_step(out_path, surgery, settings, texts)
+    ctx = capture_context(out_path, surgery, settings)
+    captured = capture_step(out_path, surgery, settings, texts, ctx=ctx)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
                            "domains": {}}
     # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
@@ -159,7 +160,7 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
         LOG.info("domain %s: %s", name, before_after(trained.entry["bias"], f"{_split_label(trained.entry)} bias"))
     router = None
     if surgery.router_enabled:
-        router, report["router"] = router_step(out_path, captured, surgery, settings)
+        router, report["router"] = router_step(out_path, captured, surgery, settings, ctx=ctx)
     default = _checked_default(report, surgery)
     export_step(out_path, surgery, modules, report, router, default_domain=default)
     return report
@@ -172,7 +173,7 @@ def _split_label(entry: dict) -> str:
 
 def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
     """The default domain, never silently one that made things worse (docs/reliability.md)."""
-    from mergekit_darts.repair.report import choose_default
+    from mergekit_darts.repair.report.verdict import choose_default
 
     for name, entry in report["domains"].items():
         verdict = entry["verdict"]
@@ -200,42 +201,47 @@ def check_finite_capture(captured, surgery: SurgeryConfig, settings: RunSettings
                 )
 
 
+def capture_context(out_path: str, surgery: SurgeryConfig, settings: RunSettings):
+    """The one capture context of a run: every model load (domains, router_eval, depth) goes through it."""
+    from mergekit_darts.repair.capture.context import CaptureContext
+
+    return CaptureContext.open(
+        out_path, surgery.max_positions, dtype=settings.dtype, device=settings.device,
+        batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
+        trust_remote_code=settings.trust_remote_code, progress=settings.progress,
+        device_map=surgery.device_map, max_memory=surgery.max_memory,
+    )
+
+
 def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
-                 texts: Optional[Dict[str, List[str]]] = None):
+                 texts: Optional[Dict[str, List[str]]] = None, ctx=None):
     """Calibration texts (chat template applied) → merged and expert final states of every domain."""
-    from transformers import AutoTokenizer
+    from mergekit_darts.repair.capture.calibration import apply_chat_template, load_calibration_texts
+    from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_domains
 
-    from mergekit_darts.repair.calibration import apply_chat_template, load_calibration_texts
-    from mergekit_darts.repair.capture import DomainCaptureSpec, capture_domains
-
-    tokenizer = AutoTokenizer.from_pretrained(out_path, trust_remote_code=settings.trust_remote_code)
+    ctx = ctx or capture_context(out_path, surgery, settings)
     specs = []
     for name, domain in surgery.domains.items():
         where = f"surgery.domains.{name}.calibration"
         domain_texts = texts[name] if texts is not None else load_calibration_texts(domain.calibration, settings.seed, where)
         if domain.calibration.chat_template:
-            domain_texts = apply_chat_template(domain_texts, tokenizer, where=f"{where}.chat_template")
+            domain_texts = apply_chat_template(domain_texts, ctx.tokenizer, where=f"{where}.chat_template")
         specs.append(DomainCaptureSpec(name=name, expert=domain.model, texts=domain_texts,
                                        continue_tokens=domain.calibration.continue_tokens,
                                        continue_samples=domain.calibration.continue_samples,
                                        continue_temperature=domain.calibration.continue_temperature,
                                        sample_seed=settings.seed,
                                        add_special_tokens=not domain.calibration.chat_template))
-    captured = capture_domains(
-        out_path, specs, surgery.max_positions, dtype=settings.dtype, device=settings.device,
-        batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
-        trust_remote_code=settings.trust_remote_code, progress=settings.progress,
-        device_map=surgery.device_map, max_memory=surgery.max_memory,
-    )
+    captured = capture_domains(ctx, specs)
     check_finite_capture(captured, surgery, settings)
     if surgery.depth:
-        from mergekit_darts.repair.depth import capture_block_inputs
+        from mergekit_darts.repair.capture.block_inputs import capture_block_inputs
 
-        captured.tail = capture_block_inputs(out_path, captured.domains, surgery, settings)
+        captured.tail = capture_block_inputs(ctx, captured.domains, surgery.depth)
     return captured
 
 
-def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSettings):
+def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSettings, ctx=None):
     """Train the domain router on the captured prompt states (docs/routing.md); measure it on the
     surgery's held-out records and on ``router_eval`` (or swapped domains). Returns (router, entry)."""
     from mergekit_darts.repair.router import pooled_prompts, train_router
@@ -247,11 +253,12 @@ def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSe
     splits = {name: split_held_out(rows.shape[0], surgery.held_out, settings.seed) for name, rows in pooled.items()}
     eval_pooled = None
     if surgery.router_eval is not None:
-        eval_data = _capture_router_eval(out_path, surgery, settings)
+        ctx = ctx or capture_context(out_path, surgery, settings)
+        eval_data = _capture_router_eval(ctx, surgery, settings)
         if surgery.depth:
-            from mergekit_darts.repair.depth import capture_block_inputs
+            from mergekit_darts.repair.capture.block_inputs import capture_block_inputs
 
-            capture_block_inputs(out_path, {"router_eval": eval_data}, surgery, settings, check_replay=False)
+            capture_block_inputs(ctx, {"router_eval": eval_data}, surgery.depth, check_replay=False)
         eval_pooled = pooled_prompts(_router_view(eval_data))
     return train_router(pooled, splits, surgery.router_threshold, eval_pooled=eval_pooled)
 
@@ -265,31 +272,24 @@ def _router_view(data):
     return dataclasses.replace(data, merged_hidden=data.block_inputs)
 
 
-def _capture_router_eval(out_path: str, surgery: SurgeryConfig, settings: RunSettings):
-    from transformers import AutoTokenizer
-
-    from mergekit_darts.repair.calibration import apply_chat_template, load_calibration_texts
-    from mergekit_darts.repair.capture import DomainCaptureSpec, capture_merged_prompts
+def _capture_router_eval(ctx, surgery: SurgeryConfig, settings: RunSettings):
+    from mergekit_darts.repair.capture.calibration import apply_chat_template, load_calibration_texts
+    from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
 
     where = "surgery.router_eval"
     texts = load_calibration_texts(surgery.router_eval, settings.seed, where)
     if surgery.router_eval.chat_template:
-        tokenizer = AutoTokenizer.from_pretrained(out_path, trust_remote_code=settings.trust_remote_code)
-        texts = apply_chat_template(texts, tokenizer, where=f"{where}.chat_template")
-    spec = DomainCaptureSpec(name="router_eval", expert=out_path, texts=texts,
+        texts = apply_chat_template(texts, ctx.tokenizer, where=f"{where}.chat_template")
+    spec = DomainCaptureSpec(name="router_eval", expert=ctx.merged_dir, texts=texts,
                              add_special_tokens=not surgery.router_eval.chat_template)
-    return capture_merged_prompts(
-        out_path, spec, surgery.max_positions, dtype=settings.dtype, device=settings.device,
-        batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
-        trust_remote_code=settings.trust_remote_code, progress=settings.progress,
-    )
+    return capture_merged_prompts(ctx, spec)
 
 
 def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], report: dict,
                 router=None, default_domain: Optional[str] = None) -> None:
     """The bias plot (best effort) and the atomic export of modules, report and card."""
     from mergekit_darts.output.export import export_surgery
-    from mergekit_darts.repair.report import plot_bias
+    from mergekit_darts.repair.report.plot import plot_bias
 
     with tempfile.TemporaryDirectory() as tmp:
         plot_path = os.path.join(tmp, "darts_bias.png")

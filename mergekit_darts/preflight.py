@@ -31,7 +31,7 @@ def _load_config(path: str, where: str, trust_remote_code: bool):
 
 def _check_calibration(surgery: SurgeryConfig, seed: int) -> Dict[str, List[str]]:
     """Load every domain's calibration texts; they are handed on so the surgery reads them once."""
-    from mergekit_darts.repair.calibration import load_calibration_texts
+    from mergekit_darts.repair.capture.calibration import load_calibration_texts
 
     if surgery.router_eval is not None:  # read again by the router step; loaded here to fail before merging
         load_calibration_texts(surgery.router_eval, seed, where="surgery.router_eval")

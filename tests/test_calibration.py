@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from mergekit_darts.repair.calibration import apply_chat_template, load_calibration_texts
+from mergekit_darts.repair.capture.calibration import apply_chat_template, load_calibration_texts
 from mergekit_darts.config import CalibrationConfig, SurgeryConfigError
 
 RECORDS = [{"question": f"how many apples {i} ?", "answer": str(i)} for i in range(5)]
@@ -95,7 +95,7 @@ def test_sampling_is_seeded_and_deterministic(tmp_path):
 
 
 def test_fewer_records_than_samples_warns_and_uses_all(jsonl, caplog):
-    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.calibration"):
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.capture.calibration"):
         texts = load(path=jsonl, field="question", samples=50)
     assert texts == QUESTIONS
     assert "fewer than samples=50" in caplog.text and "surgery.domains.math.calibration" in caplog.text

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mergekit_darts.repair import capture, models
-from mergekit_darts.repair.calibration import apply_chat_template
-from mergekit_darts.repair.capture import DomainCaptureSpec, capture_domains
+from mergekit_darts.repair.capture import context, models
+from mergekit_darts.repair.capture.calibration import apply_chat_template
+from mergekit_darts.repair.capture.context import CaptureContext
+from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_domains
 from mergekit_darts.config import SurgeryConfigError
 from mergekit_darts.tiny import DEFAULT_WORDS, build_tokenizer, make_expert, make_random_model
 
@@ -20,7 +21,8 @@ TEXTS = ["how many apples are left ?", "what is 2 + 3", "def sum ( list ) : retu
 
 def run(merged, specs, tmp_path, max_positions=64, **kwargs):
     kwargs.setdefault("cache_dir", str(tmp_path / "cache"))
-    return capture_domains(merged, specs, max_positions, device="cpu", dtype="float32", progress=False, **kwargs)
+    ctx = CaptureContext.open(merged, max_positions, device="cpu", dtype="float32", progress=False, **kwargs)
+    return capture_domains(ctx, specs)
 
 
 def plain_forward(path, ids):
@@ -214,22 +216,23 @@ def test_model_without_final_norm_is_named():
         pass
 
     with pytest.raises(SurgeryConfigError, match="Headless: cannot find the final norm"):
-        models._final_norm(Headless())
+        models.final_norm(Headless())
 
 
 def test_resolve_device_and_dtype():
-    assert capture.resolve_device("cpu") == torch.device("cpu")
-    assert capture.resolve_dtype("auto", "cpu") == torch.float32
-    assert capture.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert capture.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert context.resolve_device("cpu") == torch.device("cpu")
+    assert context.resolve_dtype("auto", "cpu") == torch.float32
+    assert context.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert context.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(SurgeryConfigError):
-        capture.resolve_dtype("int8", "cpu")
+        context.resolve_dtype("int8", "cpu")
 
 
 def test_bfloat16_capture_and_default_cache_dir(tiny_family, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # the default cache dir is ~/.cache/mergekit_darts
     specs = [DomainCaptureSpec("math", tiny_family["math"], TEXTS[:2])]
-    half = capture_domains(tiny_family["merged"], specs, 64, device="cpu", dtype="bfloat16", progress=False)
+    half = capture_domains(CaptureContext.open(tiny_family["merged"], 64, device="cpu", dtype="bfloat16",
+                                               progress=False), specs)
     full = run(tiny_family["merged"], specs, tmp_path)
     assert os.listdir(tmp_path / ".cache" / "mergekit_darts")
     a, b = half.domains["math"], full.domains["math"]

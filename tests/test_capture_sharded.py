@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from mergekit_darts.config import SurgeryConfigError
-from mergekit_darts.repair import models
-from mergekit_darts.repair.capture import DomainCaptureSpec, capture_domains
+from mergekit_darts.repair.capture import models
+from mergekit_darts.repair.capture.context import CaptureContext
+from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_domains
 from mergekit_darts.tiny import make_family
 
 TEXTS = ["how many apples are left ?", "what is 2 + 3", "def sum ( list ) : return total", "print"]
@@ -30,7 +31,7 @@ def plain(family, tmp_path_factory):
 def placements(monkeypatch):
     """Records each loaded model's hf_device_map and offload folder."""
     seen = []
-    original = models._ModelSlot.get
+    original = models.ModelSlot.get
 
     def spy(slot):
         model = original(slot)
@@ -39,7 +40,7 @@ def placements(monkeypatch):
                          slot.placement.offload_dir if slot.placement else None))
         return model
 
-    monkeypatch.setattr(models._ModelSlot, "get", spy)
+    monkeypatch.setattr(models.ModelSlot, "get", spy)
     return seen
 
 
@@ -50,8 +51,9 @@ def specs(family):
 
 def capture(family, tmp_path, label, **kwargs):
     # a fresh cache per variant: every variant must run its models
-    return capture_domains(family["base"], specs(family), 32, device="cpu", dtype="float32", progress=False,
-                           batch_size=2, cache_dir=str(tmp_path / label), **kwargs)
+    ctx = CaptureContext.open(family["base"], 32, device="cpu", dtype="float32", progress=False, batch_size=2,
+                              cache_dir=str(tmp_path / label), **kwargs)
+    return capture_domains(ctx, specs(family))
 
 
 def assert_same(plain, sharded):

@@ -5,9 +5,11 @@ import math
 import pytest
 import torch
 
-from mergekit_darts.repair.losses import kl_loss, per_position_l1, surgery_loss, token_entropy
+from mergekit_darts.repair.capture.entropy import token_entropy
+from mergekit_darts.repair.train.kl import kl_loss
+from mergekit_darts.repair.train.losses import per_position_l1, surgery_loss
 from mergekit_darts.remote_code.surgery import DomainSurgery, count_parameters
-from mergekit_darts.repair.train import train_surgery
+from mergekit_darts.repair.train.loop import train_surgery
 
 
 def positions(n, t):

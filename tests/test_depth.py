@@ -36,8 +36,9 @@ def test_block_adapters_start_as_identity_and_train_from_cached_inputs(tiny_fami
     from transformers import AutoModelForCausalLM
 
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
-    from mergekit_darts.repair.depth import FrozenTail, TailSurgery, adapters_on
-    from mergekit_darts.repair.train import train_surgery
+    from mergekit_darts.repair.capture.block_inputs import FrozenTail
+    from mergekit_darts.repair.train.tail import TailSurgery, adapters_on
+    from mergekit_darts.repair.train.loop import train_surgery
 
     model = AutoModelForCausalLM.from_pretrained(tiny_family["merged"], dtype=torch.float32).eval()
     ids = torch.randint(0, model.config.vocab_size, (3, 7))
@@ -304,7 +305,8 @@ def test_replaying_the_last_blocks_matches_every_architecture(arch):
     """FrozenTail (mask, rotary, sliding window) reproduces each architecture's own final states from
     the cached block input, and adapters move them; otherwise training would not see the model."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
-    from mergekit_darts.repair.depth import FrozenTail, adapters_on
+    from mergekit_darts.repair.capture.block_inputs import FrozenTail
+    from mergekit_darts.repair.train.tail import adapters_on
 
     model = _tiny_model(arch)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
-from mergekit_darts.repair.kl_targets import build_kl_target, kl_to_target
-from mergekit_darts.repair.losses import kl_loss
-from mergekit_darts.repair.train import train_surgery
+from mergekit_darts.repair.train.kl import build_kl_target, kl_to_target
+from mergekit_darts.repair.train.kl import kl_loss
+from mergekit_darts.repair.train.loop import train_surgery
 
 H, V, M = 16, 50, 40
 # float32 sums over V = 50 terms reordered: the cached loss and its gradient match the exact one to this
@@ -162,7 +162,7 @@ def test_yaml_with_offloaded_capture_and_scaled_kl_end_to_end(tiny_family, merge
         f"        texts: {texts}"]) + "\n"
     import logging
 
-    with caplog.at_level(logging.INFO, logger="mergekit_darts.repair.models"):
+    with caplog.at_level(logging.INFO, logger="mergekit_darts.repair.capture.models"):
         report = run_surgery(config, merged_copy, progress=False)
     placed = [r.getMessage() for r in caplog.records if "placed as" in r.getMessage()]
     assert len(placed) == 2 and all("'disk'" in message for message in placed)  # merged + expert, offloaded

@@ -104,7 +104,7 @@ def test_mergekit_options_fill_in_seed_and_device():
 
 
 def test_calibration_is_read_once_per_domain(tiny_family, merged_copy, tmp_path, monkeypatch):
-    import mergekit_darts.repair.calibration as calibration
+    import mergekit_darts.repair.capture.calibration as calibration
 
     calls = []
     original = calibration.load_calibration_texts

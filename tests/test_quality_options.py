@@ -11,8 +11,9 @@ import torch
 from mergekit_darts.config import (PRESETS, SurgeryConfigError, parse_surgery_block,
                                    preset_settings)
 from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
-from mergekit_darts.repair.capture import DomainCaptureSpec, capture_domains
-from mergekit_darts.repair.selection import fit, validation_loss
+from mergekit_darts.repair.capture.context import CaptureContext
+from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_domains
+from mergekit_darts.repair.train.selection import fit, validation_loss
 
 H, N, T = 16, 6, 5
 
@@ -108,8 +109,9 @@ TEXTS = ["how many apples are left ?", "what is 2 + 3", "def sum ( list ) : retu
 def sampled_capture(tiny_family, cache_dir, samples=2, temperature=1.5, seed=0):
     spec = DomainCaptureSpec("math", tiny_family["math"], TEXTS, continue_tokens=6, continue_samples=samples,
                              continue_temperature=temperature, sample_seed=seed)
-    return capture_domains(tiny_family["merged"], [spec], 64, device="cpu", dtype="float32", progress=False,
-                           cache_dir=str(cache_dir)).domains["math"]
+    ctx = CaptureContext.open(tiny_family["merged"], 64, device="cpu", dtype="float32", progress=False,
+                              cache_dir=str(cache_dir))
+    return capture_domains(ctx, [spec]).domains["math"]
 
 
 def rows(domain):
@@ -158,7 +160,7 @@ def test_router_uses_each_prompt_once():
 def test_split_rows_keeps_prompts_together():
     from types import SimpleNamespace
 
-    from mergekit_darts.repair.heldout import split_rows
+    from mergekit_darts.repair.train.split import split_rows
 
     surgery = parse_surgery_block({**BLOCK, "early_stopping": True, "held_out": 0.2, "validation": 0.25})
     data = SimpleNamespace(merged_hidden=torch.zeros(30, 2, 4), groups=torch.arange(30) % 10)

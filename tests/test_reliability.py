@@ -107,7 +107,7 @@ def test_cache_write_failure_is_a_warning_and_leaves_no_temp_file(tiny_family, m
         raise SafetensorError("Error while serializing: IoError(No space left on device)")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.capture_cache"):
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.capture.cache"):
         report = run_surgery(_config(tiny_family, tmp_path), merged_copy, progress=False)
     assert report["domains"]["math"]["bias"]["mean_after"] is not None
     assert any("could not write" in r.getMessage() and "SafetensorError" in r.getMessage() for r in caplog.records)
@@ -127,7 +127,7 @@ def test_nan_cache_entry_is_recomputed_not_trained_on(tiny_family, merged_copy, 
     name = next(n for n, t in tensors.items() if t.is_floating_point() and t.dim() == 3)
     tensors[name] = torch.full_like(tensors[name], float("nan"))
     save_file(tensors, str(entries[0]), metadata=metadata)
-    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.capture_cache"):
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts.repair.capture.cache"):
         second = run_surgery(_config(tiny_family, tmp_path), merged_copy, progress=False)
     assert any("non-finite" in r.getMessage() for r in caplog.records)
     assert second["domains"]["math"]["bias"] == first["domains"]["math"]["bias"]
@@ -143,7 +143,7 @@ def test_diverged_training_is_an_error_and_exports_nothing(tiny_family, merged_c
 def test_report_with_nan_is_valid_json_with_nulls_and_a_flag(tiny_family, merged_copy, tmp_path):
     from mergekit_darts.output.export import export_surgery
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
-    from mergekit_darts.repair.report import sanitized_report
+    from mergekit_darts.repair.report.verdict import sanitized_report
 
     report = {"domains": {"math": {"final_loss": float("nan"), "bias": {"after": [1.0, float("inf")]}}}}
     clean = sanitized_report(report)
@@ -189,7 +189,7 @@ def test_improved_domain_stays_the_default(tiny_family, merged_copy, tmp_path):
 
 
 def test_without_held_out_records_numbers_say_training_records(tiny_family, merged_copy, tmp_path):
-    from mergekit_darts.repair.report import render_report
+    from mergekit_darts.repair.report.table import render_report
 
     report = run_surgery(_config(tiny_family, tmp_path, held_out=0), merged_copy, progress=False)
     entry = report["domains"]["math"]

@@ -6,7 +6,11 @@ import os
 import pytest
 import torch
 
-from mergekit_darts.repair.report import bias_by_position, bin_edges, plot_bias, render_report, summary_table
+from mergekit_darts.repair.report.measure import bias_by_position, bin_edges
+
+from mergekit_darts.repair.report.plot import plot_bias
+
+from mergekit_darts.repair.report.table import render_report, summary_table
 
 
 def _data(seed=0, n=3, t=10, h=4):
@@ -53,7 +57,7 @@ def test_bias_by_position_matches_direct_computation():
 
 
 def test_bias_by_position_agrees_with_per_position_l1():
-    from mergekit_darts.repair.losses import per_position_l1
+    from mergekit_darts.repair.train.losses import per_position_l1
 
     merged, expert, mask, pos, ent, corrected = _data(1)
     report = bias_by_position(merged, expert, mask, pos, ent, corrected, bins=100)

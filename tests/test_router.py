@@ -187,7 +187,7 @@ def _config(paths, tmp_path, **settings):
 
 def test_pipeline_trains_reports_and_exports_router(tiny_family, merged_copy, tmp_path):
     from mergekit_darts.pipeline import capture_step, parse_config_source, run_surgery, summary_lines
-    from mergekit_darts.repair.heldout import split_held_out
+    from mergekit_darts.repair.train.split import split_held_out
     from mergekit_darts.settings import RunSettings
 
     source = _config(tiny_family, tmp_path, default_domain="auto")

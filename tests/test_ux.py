@@ -99,7 +99,7 @@ def test_calibration_warning_is_readable_and_printed_once_per_command(tmp_path):
 
     from mergekit_darts.config import CalibrationConfig
     from mergekit_darts.console import user_logging
-    from mergekit_darts.repair.calibration import load_calibration_texts
+    from mergekit_darts.repair.capture.calibration import load_calibration_texts
 
     cal = CalibrationConfig(texts=["a b", "c d", "e f"], samples=50)
     stream = io.StringIO()
@@ -151,14 +151,11 @@ def test_capture_of_a_repaired_directory_prints_no_load_report(darts_dir, caplog
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from mergekit_darts.repair.models import _Ctx, _ModelSlot
-
-    ctx = _Ctx(device=torch.device("cpu"), dtype=torch.float32, batch_size=1, max_positions=8,
-               trust_remote_code=False, progress=False, cache=None)
+    from mergekit_darts.repair.capture.models import ModelSlot
     hf_logging.enable_propagation()  # let caplog see transformers' records
     try:
         with caplog.at_level(logging.WARNING):
-            _ModelSlot(darts_dir, ctx).get()
+            ModelSlot(darts_dir, device=torch.device("cpu"), dtype=torch.float32).get()
             assert "LOAD REPORT" not in caplog.text and "UNEXPECTED" not in caplog.text
             assert hf_logging.get_verbosity() != hf_logging.ERROR  # restored afterwards
             AutoModelForCausalLM.from_pretrained(darts_dir)  # a plain load does report them
@@ -172,7 +169,7 @@ def test_capture_of_a_repaired_directory_prints_no_load_report(darts_dir, caplog
 def _report(tmp_path, loss, after_scale):
     import torch
 
-    from mergekit_darts.repair.report import bias_by_position
+    from mergekit_darts.repair.report.measure import bias_by_position
 
     g = torch.Generator().manual_seed(0)
     merged, expert = torch.randn(3, 12, 4, generator=g), torch.randn(3, 12, 4, generator=g)
@@ -188,7 +185,7 @@ def _report(tmp_path, loss, after_scale):
 
 
 def test_report_table_includes_held_out_kl(tmp_path):
-    from mergekit_darts.repair.report import summary_table
+    from mergekit_darts.repair.report.table import summary_table
 
     table = summary_table(_report(tmp_path, "kl", 0.25))
     header = next(line for line in table.splitlines() if line.startswith("domain"))
@@ -203,7 +200,7 @@ def test_bias_figure_draws_several_variants_without_a_legend_over_data(tmp_path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mergekit_darts.repair.report import plot_bias, variant_label
+    from mergekit_darts.repair.report.plot import plot_bias, variant_label
 
     reports = {variant_label(r): r for r in (_report(tmp_path, "ewl1", 0.5), _report(tmp_path, "kl", 0.2))}
     assert list(reports) == ["DARTS + EWL1", "DARTS + KL"]

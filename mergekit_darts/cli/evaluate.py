@@ -178,7 +178,7 @@ def compare_command(config_file: str, out_path: str, seeds: int, first_seed: int
 @click.option("--no-plot", is_flag=True, help="Only print the table; leave darts_bias.png alone.")
 def report_command(out_path: str, no_plot: bool):
     """Print the bias table of OUT_PATH/darts_report.json and re-draw OUT_PATH/darts_bias.png."""
-    from mergekit_darts.repair.report import render_report
+    from mergekit_darts.repair.report.table import render_report
 
     try:
         click.echo(render_report(out_path, plot=not no_plot))

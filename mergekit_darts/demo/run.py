@@ -233,7 +233,7 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
                 rows[ROUTED[1]], labels[ROUTED[1]] = scores, ROUTED[2]
     tick("ablations+scoring")
     # one figure for every variant, so the KL one the README recommends is seen next to the paper's
-    from mergekit_darts.repair.report import plot_bias
+    from mergekit_darts.repair.report.plot import plot_bias
 
     plot_bias({labels[key]: r for key, r in reports.items()}, os.path.join(workdir, "darts_bias.png"))
     # leave the output directory with the main configuration (cheap: the capture is cached)

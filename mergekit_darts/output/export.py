@@ -102,7 +102,7 @@ def export_surgery(
     settings; it makes ``default_domain="auto"`` possible. Running it again replaces the previous
     surgery entirely (a rerun without a router drops the earlier one).
     """
-    from mergekit_darts.repair.report import sanitized_report
+    from mergekit_darts.repair.report.verdict import sanitized_report
 
     # NaN/inf in the report become null + a "non_finite_values" list: darts_report.json stays valid JSON
     report = sanitized_report(report) if report is not None else None

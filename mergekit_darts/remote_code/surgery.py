@@ -2,8 +2,9 @@
 
 This file imports torch only: it is copied next to ``modeling_darts.py`` into every output
 directory, so the package and the published model share exactly one implementation of the math,
-and one description of a module's shape (``SurgeryShape``) that the pipeline builds, the export
-writes into ``config.json`` and the emitted model reads back.
+and one description of a module's shape (``SurgeryShape``): ``from_config`` reads it from the
+``surgery:`` block, the export writes ``to_meta()`` into ``config.json``, the emitted model reads it
+back with ``from_meta``.
 """
 
 from dataclasses import dataclass
@@ -52,6 +53,15 @@ class SurgeryShape:
         if (self.depth > 0) != (self.depth_rank > 0):
             raise ValueError(f"depth_rank: must be > 0 exactly when depth > 0 (depth {self.depth}, "
                              f"depth_rank {self.depth_rank})")
+
+    @classmethod
+    def from_config(cls, surgery) -> "SurgeryShape":
+        """The shape a ``surgery:`` block describes (read by attribute: this file imports no package
+        code). ``depth_rank`` only counts with ``depth > 0``."""
+        depth = surgery.depth
+        return cls(method=surgery.method, rank=surgery.rank, head_rank=surgery.head_rank,
+                   max_positions=surgery.max_positions, content=surgery.content, depth=depth,
+                   depth_rank=surgery.depth_rank if depth else 0)
 
     def to_meta(self) -> dict:
         return {"format_version": FORMAT_VERSION, **{key: getattr(self, key) for key in _SHAPE_KEYS}}

@@ -1,4 +1,4 @@
-"""Held-out splits of a captured domain and the held-out KL measurement (docs/design.md §3).
+"""Held-out, validation and refit splits of a captured domain (docs/design.md §3).
 
 Splits are by prompt: every sampled continuation of a prompt (``calibration.continue_samples``)
 lands on the same side, so a held-out number never measures a prompt the correction trained on.
@@ -46,31 +46,3 @@ def split_rows(data, surgery, seed: int) -> Dict[str, torch.Tensor]:
     in_refit = in_train | torch.isin(groups, validation_prompts)
     return {"train": torch.nonzero(in_train).flatten(), "validation": torch.nonzero(in_validation).flatten(),
             "held_out": held_prompts, "refit": torch.nonzero(in_refit).flatten()}
-
-
-@torch.no_grad()
-def held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str, float]:
-    """Mean KL(expert || merged) before and after the correction on held-out positions, and the
-    share of that gap the correction closes (1 = the expert's distribution, 0 = the plain merge).
-    ``held["merged"]``: the plain merge's final states; ``held["input"]`` (when given): what the module
-    reads instead (with depth, the first adapted block's input)."""
-    from mergekit_darts.repair.depth import final_states
-    from mergekit_darts.repair.losses import kl_loss
-
-    mask = held["mask"].bool()
-    merged = held["merged"].float()
-    inputs = held["input"].float() if "input" in held else merged
-    target = held["target"].float()[mask]
-    before = kl_loss(merged[mask], target, expert_head, merged_head, chunk_size=chunk_size)
-    corrected = module(inputs, held["position_ids"])[mask]
-    head = module.head_correction if module.head_rank > 0 else None
-    after = kl_loss(corrected, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size)
-    gap_closed = 1.0 - float(after) / float(before) if float(before) > 0 else None
-    result = {"before": float(before), "after": float(after), "gap_closed": gap_closed}
-    if module.position_bias is not None:
-        # what `mergekit-darts bake --drop-position-bias` keeps: the correction without its table
-        states = final_states(module, inputs, held["position_ids"])
-        unbiased = (states - module.content(states))[mask]
-        result["after_without_position_bias"] = float(
-            kl_loss(unbiased, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
-    return result

@@ -1,10 +1,11 @@
-"""KL surgery at the paper's scale: the expert's fixed target distribution, computed once (docs/scale.md).
+"""The KL to the expert's next-token distribution: the one implementation (docs/design.md §3, docs/scale.md).
 
-The expert's next-token distribution p = softmax(W_E h*) does not change during training, yet the
-exact loss (losses.kl_loss) recomputes its [positions x V] logits every step (twice, with the
-checkpoint's recompute). A ``KLTarget`` holds p for every valid training position, indexed by row:
+``kl_loss`` (training's ``loss: kl``, the validation loss, the report's held-out KL) and the KL
+targets at scale all go through ``kl_to_target``: the merged logits of a chunk of corrected states,
+their log-softmax, and the target's ``chunk_kl``. The expert's distribution p = softmax(W_E h*) does
+not change during training; a ``KLTarget`` holds it for every valid position, indexed by row:
 
-* ``exact``: nothing cached; p recomputed from the expert states (today's numbers, for comparison).
+* ``exact``: nothing cached; p recomputed from the expert states at every step (the default).
 * ``topk``: the k largest log-probabilities, their token ids and the tail mass 1 - sum(top k). The KL
   is taken between the coarsened distributions (top k tokens + one "tail" bucket): exact when the
   top k cover all the mass, otherwise a lower bound on the full KL (coarsening never increases KL).
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 LOG = logging.getLogger(__name__)
 
 TARGET_KINDS = ("exact", "topk", "bf16")
+DEFAULT_CHUNK = 1024
 PRECISIONS = ("float32", "mixed")
 
 
@@ -89,7 +91,7 @@ def _renormalised(probs_bf16: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def build_kl_target(kind: str, expert_hidden: torch.Tensor, expert_head: torch.Tensor, *, top_k: int = 256,
-                    chunk_size: int = 1024, precision: str = "float32") -> KLTarget:
+                    chunk_size: int = DEFAULT_CHUNK, precision: str = "float32") -> KLTarget:
     """The expert's target at the M rows of ``expert_hidden`` ([M, H], valid positions only).
 
     Cached targets are computed once here in float32 whatever ``precision`` says, on the device of
@@ -140,7 +142,7 @@ def _chunk(h, rows, target: KLTarget, head, head_correction):
 
 def kl_to_target(corrected: torch.Tensor, rows: torch.Tensor, target: KLTarget, merged_head: torch.Tensor,
                  head_correction: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 chunk_size: int = 1024) -> torch.Tensor:
+                 chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
     """Mean over the m rows of KL(target[rows] || softmax(merged_head h [+ head correction])).
 
     corrected: [m, H]; rows: [m] indices into the target. ``merged_head`` is used in its dtype
@@ -166,3 +168,42 @@ def prepare_head(head: torch.Tensor, device: torch.device, precision: str) -> to
     """The merged head on ``device`` in the matmul dtype: bfloat16 in mixed precision on CUDA."""
     dtype = torch.bfloat16 if uses_mixed_precision(precision, device) else torch.float32
     return head.to(device, dtype)
+
+
+def kl_loss(
+    corrected: torch.Tensor,
+    expert_hidden: torch.Tensor,
+    expert_head: torch.Tensor,
+    merged_head: torch.Tensor,
+    head_correction: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Mean over M positions of KL(softmax(W_E h*) || softmax(W_M h_hat [+ head correction])), exact,
+    in float32: ``kl_to_target`` with the ``exact`` target.
+
+    corrected, expert_hidden: [M, H] (valid positions only). With more than one chunk of
+    ``chunk_size`` positions each chunk is checkpointed: its [chunk, V] logits are recomputed in
+    backward instead of kept, so peak memory is a few [chunk, V] float32 tensors whatever M is.
+    """
+    if corrected.dim() != 2 or tuple(corrected.shape) != tuple(expert_hidden.shape):
+        raise ValueError(
+            f"kl_loss: corrected {tuple(corrected.shape)} and expert_hidden {tuple(expert_hidden.shape)} "
+            "must both be [M, H]"
+        )
+    for name, head in (("expert_head", expert_head), ("merged_head", merged_head)):
+        if head.dim() != 2 or head.shape[1] != corrected.shape[1]:
+            raise ValueError(f"{name}: expected [V, {corrected.shape[1]}], got {tuple(head.shape)}")
+    if expert_head.shape[0] != merged_head.shape[0]:
+        raise ValueError(
+            f"expert_head has {expert_head.shape[0]} vocabulary rows but merged_head has {merged_head.shape[0]}"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+    if corrected.shape[0] == 0:
+        raise ValueError("kl_loss: no positions")
+    device = corrected.device
+    # promote once here, not per chunk: a [V, H] conversion per chunk would dominate the step
+    target = ExactTarget(expert_hidden.to(device), expert_head.to(device, torch.float32))
+    rows = torch.arange(corrected.shape[0], device=device)
+    return kl_to_target(corrected, rows, target, merged_head.to(device, torch.float32),
+                        head_correction=head_correction, chunk_size=chunk_size)

@@ -8,7 +8,7 @@ from typing import Any, Dict
 import torch
 
 from mergekit_darts.config import SurgeryConfig, SurgeryConfigError
-from mergekit_darts.repair.heldout import held_out_kl, split_rows
+from mergekit_darts.repair.train.split import split_rows
 from mergekit_darts.settings import RunSettings
 
 
@@ -34,10 +34,11 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     """Train one domain's module on its cached states and measure it on the held-out records.
     ``tail`` (``depth > 0``): the frozen last blocks; the module then reads ``data.block_inputs``."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
-    from mergekit_darts.repair.capture import resolve_device
-    from mergekit_darts.repair.depth import TailSurgery
-    from mergekit_darts.repair.report import bias_by_position, domain_verdict
-    from mergekit_darts.repair.selection import fit
+    from mergekit_darts.repair.capture.context import resolve_device
+    from mergekit_darts.repair.report.measure import bias_by_position, held_out_kl
+    from mergekit_darts.repair.report.verdict import domain_verdict
+    from mergekit_darts.repair.train.selection import fit
+    from mergekit_darts.repair.train.tail import TailSurgery
 
     started = time.perf_counter()
     device = resolve_device(settings.device)
@@ -57,9 +58,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         part["merged"], part["target"] = part["merged"].float(), part["target"].float()
         return part
 
-    shape = SurgeryShape(method=surgery.method, rank=surgery.rank, head_rank=surgery.head_rank,
-                         max_positions=surgery.max_positions, content=surgery.content,
-                         depth=surgery.depth, depth_rank=surgery.depth_rank if surgery.depth else 0)
+    shape = SurgeryShape.from_config(surgery)
 
     def make_module():
         module = DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],

@@ -13,8 +13,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from mergekit_darts.repair.losses import surgery_loss
-from mergekit_darts.repair.train import train_surgery
+from mergekit_darts.repair.train.losses import surgery_loss
+from mergekit_darts.repair.train.loop import train_surgery
 
 LOG = logging.getLogger(__name__)
 

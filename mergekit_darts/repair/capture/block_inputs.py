@@ -1,16 +1,13 @@
-"""``depth: k``: train adapters inside the merged model's last k decoder blocks from cached inputs
+"""``depth: k``: the cached input of the merged model's first adapted block, and its frozen last blocks
 (docs/quality.md, "Deeper correction").
 
 The capture keeps, per domain, the input of the first adapted block ([N, T, H]) and one frozen float32
-copy of the last k blocks, the final norm and the rotary embedding (``FrozenTail``). A training step
-runs only those k blocks (with the domain's adapters hooked onto their linears) and the final-state
-correction, never the whole model. The emitted model applies the same adapters through hooks
-(remote_code/hooks.py), so what is trained here is what loads.
+copy of the last k blocks, the final norm and the rotary embedding (``FrozenTail``). Training
+(``train/tail.py``) runs only those k blocks with a domain's adapters, never the whole model.
 """
 
 import copy
 import logging
-from contextlib import contextmanager
 from typing import Dict, Optional
 
 import torch
@@ -68,101 +65,34 @@ class FrozenTail(nn.Module):
         return self.norm(hidden)
 
 
-@contextmanager
-def adapters_on(tail: FrozenTail, surgery):
-    """The domain's block adapters added to the tail's linears while the context is open."""
-    handles = []
-    try:
-        for index, path, adapter in surgery.block_adapters():
-            linear = tail.layers[index - tail.first].get_submodule(path)
-            handles.append(linear.register_forward_hook(
-                lambda module, args, out, adapter=adapter: out + adapter(args[0]).to(out.dtype)))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-class TailSurgery(nn.Module):
-    """What training sees for a domain with depth: block input -> last blocks with the domain's
-    adapters -> final norm -> ``DomainSurgery``. Only ``surgery`` is a submodule (its parameters are
-    trained, saved and copied); the frozen tail is shared by every domain and candidate."""
-
-    def __init__(self, tail: FrozenTail, surgery):
-        super().__init__()
-        self.surgery = surgery
-        object.__setattr__(self, "tail", tail)  # not registered: not trained, not in state_dict
-
-    @property
-    def hidden_size(self) -> int:
-        return self.surgery.hidden_size
-
-    @property
-    def head_rank(self) -> int:
-        return self.surgery.head_rank
-
-    @property
-    def position_bias(self):
-        return self.surgery.position_bias
-
-    def head_correction(self, corrected_hidden):
-        return self.surgery.head_correction(corrected_hidden)
-
-    def content(self, hidden):
-        return self.surgery.content(hidden)
-
-    def final_states(self, block_input: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The final norm's output with the adapters on: what the surgery module then corrects."""
-        with adapters_on(self.tail, self.surgery):
-            return self.tail(block_input.to(next(self.surgery.parameters()).device), position_ids)
-
-    def forward(self, block_input: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.surgery(self.final_states(block_input, position_ids), position_ids)
-
-
-def final_states(module, inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """The final state the module's own correction starts from (its input when it has no depth)."""
-    return module.final_states(inputs, position_ids) if isinstance(module, TailSurgery) else inputs
-
-
-def check_depth(surgery, layers: int) -> None:
-    if surgery.depth > layers:
-        raise SurgeryConfigError(f"surgery.depth: {surgery.depth} exceeds the merged model's {layers} decoder "
+def check_depth(depth: int, layers: int) -> None:
+    if depth > layers:
+        raise SurgeryConfigError(f"surgery.depth: {depth} exceeds the merged model's {layers} decoder "
                                  f"layers; use at most {layers}")
 
 
 @torch.no_grad()
-def capture_block_inputs(model_dir: str, domains: Dict[str, object], surgery, settings,
-                         check_replay: bool = True) -> FrozenTail:
+def capture_block_inputs(ctx, domains: Dict[str, object], depth: int, check_replay: bool = True) -> FrozenTail:
     """Set ``block_inputs`` ([N, T, H] float32, zero at padding) on each captured domain of ``domains``
-    and return the frozen tail (float32). Loads the merged model once, in the capture dtype on the
-    training device. ``check_replay``: the tail run from the block inputs must reproduce the captured
-    final states."""
-    from transformers import AutoModelForCausalLM
-
-    from mergekit_darts.repair.capture import resolve_device, resolve_dtype
-    from mergekit_darts.repair.models import quiet_transformers_loading
-
-    device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
-    with quiet_transformers_loading():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True,
-                                                     trust_remote_code=settings.trust_remote_code)
-    model = model.to(device).eval().requires_grad_(False)
-    if hasattr(model, "set_darts_domain"):  # a directory repaired before, loaded with remote code
-        model.set_darts_domain("none")
+    and return the frozen tail (float32, on ``ctx.device``). Loads the merged model once through the
+    run's ``CaptureContext`` ``ctx``. ``check_replay``: the tail run from the block inputs must reproduce
+    the captured final states."""
+    slot = ctx.slot(ctx.merged_dir)
+    device = ctx.device
     try:
-        check_depth(surgery, len(model.model.layers))
-        tail = FrozenTail(model, surgery.depth).to(device)
+        model = slot.get()
+        check_depth(depth, len(model.model.layers))
+        tail = FrozenTail(model, depth).to(device)
         first = model.model.layers[tail.first]
         for name, data in domains.items():
-            data.block_inputs = _block_inputs(model, first, data, surgery.capture_batch_size, device)
+            data.block_inputs = _block_inputs(model, first, data, ctx.batch_size, device)
             if check_replay:
-                tolerance = REPLAY_TOLERANCE.get(dtype, REPLAY_TOLERANCE_LOW_PRECISION)
-                _check_replay(name, tail, data, surgery.capture_batch_size, tolerance)
-    finally:
+                tolerance = REPLAY_TOLERANCE.get(ctx.dtype, REPLAY_TOLERANCE_LOW_PRECISION)
+                _check_replay(name, tail, data, ctx.batch_size, tolerance)
         del model
-    LOG.info("depth %d: block inputs captured for %d domain(s)", surgery.depth, len(domains))
+    finally:
+        slot.free()
+    LOG.info("depth %d: block inputs captured for %d domain(s)", depth, len(domains))
     return tail
 
 

@@ -1,0 +1,87 @@
+"""The plain-text summary table (Table 3 style) and ``mergekit-darts report OUT``: re-draw the figure
+and print the table from an output directory's ``darts_report.json``."""
+
+import json
+import os
+from typing import Any, Dict, Optional
+
+from mergekit_darts.repair.report.plot import plot_bias
+
+REPORT_FILE = "darts_report.json"
+PLOT_FILE = "darts_bias.png"
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _sig(value: Optional[float]) -> str:
+    # KL values of a good repair are small: significant digits, not fixed decimals
+    return "-" if value is None else f"{value:.4g}"
+
+
+def summary_table(report: Dict[str, Any]) -> str:
+    """A plain-text table (Table 3 style) per domain: bias before/after surgery, and the KL to the
+    expert's next-token distribution before/after with the share of it closed; "measured on" says
+    whether those are held-out or (held_out: 0, too few records) training records."""
+    header = ["domain", "train", "held-out", "measured on", "final loss", "train s", "L1 before", "L1 after",
+              "reduction", "EW-L1 before", "EW-L1 after", "KL before", "KL after", "KL gap closed", "verdict"]
+    rows = [header]
+    for name, entry in report.get("domains", {}).items():
+        bias = entry.get("bias") or {}
+        calib = entry.get("calibration") or {}
+        kl = entry.get("held_out_kl") or {}
+        before, after = bias.get("mean_before"), bias.get("mean_after")
+        reduction = f"{100 * (1 - after / before):.1f}%" if before and after is not None else "-"
+        measured = "held-out" if entry.get("bias_split", "held_out") == "held_out" else "TRAINING records"
+        status = (entry.get("verdict") or {}).get("status", "-")
+        closed = kl.get("gap_closed")
+        rows.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), measured,
+                     _fmt(entry.get("final_loss")), _fmt(entry.get("train_seconds"), 1), _fmt(before), _fmt(after),
+                     reduction,
+                     _fmt(bias.get("mean_before_weighted")), _fmt(bias.get("mean_after_weighted")),
+                     _sig(kl.get("before")), _sig(kl.get("after")), "-" if closed is None else f"{100 * closed:.1f}%",
+                     status if status in ("improved", "-") else status.upper()])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    settings = report.get("surgery") or {}
+    if settings:
+        keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")
+        if settings.get("depth"):
+            keys += ("depth", "depth_rank")
+        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings)
+                     + (f" (preset {settings['preset']})" if settings.get("preset") else ""))
+        if all(k in settings for k in ("rank", "max_positions")):
+            from mergekit_darts.repair.budget import describe_share, share_of_7b
+
+            lines.insert(1, describe_share(share_of_7b(settings)))
+    lines += ["", "All on the held-out calibration records; lower is better except 'KL gap closed'.",
+              "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's.",
+              "KL: KL(expert || model) of the next-token distribution (nats/token); gap closed = 1 - after/before.",
+              "train s: wall seconds of the domain's training (lr choice, early stopping and refit included)."]
+    return "\n".join(lines)
+
+
+def load_report(out_dir: str) -> Dict[str, Any]:
+    path = os.path.join(out_dir, REPORT_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{out_dir}: no {REPORT_FILE} (is this a mergekit-darts output directory?)")
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def render_report(out_dir: str, plot: bool = True) -> str:
+    """Re-draw ``darts_bias.png`` from ``darts_report.json`` in ``out_dir``; return the summary table."""
+    report = load_report(out_dir)
+    if plot:
+        # write next to the final name first so a failed draw never leaves a truncated PNG behind
+        final = os.path.join(out_dir, PLOT_FILE)
+        tmp = final + ".tmp.png"
+        plot_bias(report, tmp)
+        os.replace(tmp, final)
+    return summary_table(report)
