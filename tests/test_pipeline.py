@@ -39,6 +39,14 @@ def test_kl_with_head_correction_through_yaml(tiny_family, merged_copy, tmp_path
     assert ("darts.math.position_bias" in keys) == (method == "darts")
     config = json.loads(open(f"{merged_copy}/config.json").read())
     assert config["darts"]["head_rank"] == 2 and config["darts"]["loss"] == "kl"
+    # the one description of the shape: what the surgery block says is what the file says
+    from mergekit_darts.pipeline import parse_config_source
+    from mergekit_darts.remote_code.surgery import SurgeryShape
+
+    surgery = parse_config_source(_config(tiny_family, tmp_path, method=method, loss="kl", head_rank=2))[1]
+    shape = SurgeryShape.from_config(surgery)
+    assert SurgeryShape.from_meta(config["darts"]) == shape and shape.depth == shape.depth_rank == 0
+    assert {k: config["darts"][k] for k in shape.to_meta()} == shape.to_meta()
 
 
 def test_rerun_with_cached_capture_loads_no_model(tiny_family, merged_copy, tmp_path, monkeypatch):
