@@ -14,6 +14,7 @@ runs unwrapped).
 import sys
 
 _TARGET = "mergekit.merge"
+_PACKAGE = "mergekit"  # its first import: before mergekit imports peft -> bitsandbytes (import-time noise)
 _DISABLE_VALUES = ("1", "true", "yes")
 _warned = []
 
@@ -31,6 +32,16 @@ def _warn_once(what: str, error: BaseException) -> None:
             what, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
     except Exception:  # noqa: BLE001 - logging itself broken: stay silent rather than break the import
         pass
+
+
+def _quiet() -> None:
+    """Filter known third-party noise (console.THIRD_PARTY_NOISE) in processes that use mergekit."""
+    try:
+        from mergekit_darts.console import filter_third_party_noise
+
+        filter_third_party_noise()
+    except Exception as error:  # noqa: BLE001 - noise filtering is a nicety: never break the import
+        _warn_once("filtering third-party warnings", error)
 
 
 def _wrap(module) -> None:
@@ -64,6 +75,9 @@ class _MergekitFinder:
     """A meta-path finder (duck-typed: ``sys.meta_path`` only needs ``find_spec``)."""
 
     def find_spec(self, fullname, path, target=None):
+        if fullname == _PACKAGE:
+            _quiet()
+            return None
         if fullname != _TARGET:
             return None
         for finder in sys.meta_path:

@@ -11,6 +11,7 @@ library use) records propagate to the root logger untouched.
 
 import contextlib
 import logging
+import os
 import sys
 from typing import Iterator, Optional, TextIO
 
@@ -57,6 +58,49 @@ def user_logging(stream: Optional[TextIO] = None, level: int = logging.WARNING) 
         logger.removeHandler(handler)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
+
+
+# --- third-party noise: known messages that say nothing to a user of these commands ---------------
+
+# logger name -> message starts that are dropped unless verbose. Each is printed by a library on
+# every run for reasons the user cannot act on: mergekit sets ``config.torch_dtype`` when it writes
+# the merged config (transformers 5 deprecates the name); bitsandbytes tries an optional kernels
+# package at import on CPUs with AVX512-BF16 and warns that it is absent.
+THIRD_PARTY_NOISE = {
+    "transformers.configuration_utils": ("`torch_dtype` is deprecated",),
+    "transformers.modeling_utils": ("`torch_dtype` is deprecated",),
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+}
+VERBOSE_ENV = "MERGEKIT_DARTS_VERBOSE"
+
+
+def verbose() -> bool:
+    """``--verbose`` / ``-v`` on the command line (ours or mergekit's), or MERGEKIT_DARTS_VERBOSE=1."""
+    if os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes"):
+        return True
+    return any(arg == "--verbose" or (arg.startswith("-v") and set(arg[1:]) == {"v"}) for arg in sys.argv[1:])
+
+
+class KnownNoise(logging.Filter):
+    """Drops the records of ``THIRD_PARTY_NOISE`` (decided per record, so ``-v`` seen late still counts)."""
+
+    def __init__(self, prefixes):
+        super().__init__()
+        self.prefixes = tuple(prefixes)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if verbose():
+            return True
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def filter_third_party_noise() -> None:
+    """Install the ``KnownNoise`` filters (once). The loggers need not exist yet: a library's
+    ``getLogger(__name__)`` later returns the same logger, filter included."""
+    for name, prefixes in THIRD_PARTY_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, KnownNoise) for f in logger.filters):
+            logger.addFilter(KnownNoise(prefixes))
 
 
 # --- text that several commands print the same way (torch-free: `info` and `report` use it) -----

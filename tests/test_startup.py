@@ -278,3 +278,36 @@ def test_run_builds_the_merge_options_mergekit_would():
     command, _ = capture(ours)
     bad = CliRunner().invoke(command, ["--out-shard-size", "lots"])
     assert bad.exit_code == 2 and "'lots' is not a parameter count" in bad.output
+
+
+# --- quiet by default: known third-party noise filtered unless verbose (issue 26) ---------------
+
+BNB_NOISE = ("import logging, mergekit; logging.getLogger('bitsandbytes.backends.cpu.ops').warning("
+             "'Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
+             "`pip install kernels`', \"No module named 'kernels'\"); "
+             "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('a real bitsandbytes problem')")
+
+
+def test_bitsandbytes_kernel_noise_is_filtered_in_processes_that_import_mergekit(tmp_path):
+    """bitsandbytes logs this at import (via mergekit -> peft) on CPUs with AVX512-BF16; the hook's
+    filter is in place from mergekit's first import on, and other records of that logger still print."""
+    site_dir = _site_with_hook(tmp_path)
+    quiet = _python_with_site(site_dir, BNB_NOISE, pythonpath=_with_dependencies(REPO))
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "gemm_4bit_forward" not in quiet.stderr and "a real bitsandbytes problem" in quiet.stderr
+    shown = _python_with_site(site_dir, BNB_NOISE, pythonpath=_with_dependencies(REPO), MERGEKIT_DARTS_VERBOSE="1")
+    assert "Failed to load CPU gemm_4bit_forward" in shown.stderr
+
+
+TORCH_DTYPE_NOISE = ("import mergekit, transformers; config = transformers.PretrainedConfig(); "
+                     "config.torch_dtype = 'float32'")  # what mergekit.merge does to every merged config
+
+
+def test_mergekits_torch_dtype_deprecation_is_filtered_unless_verbose(tmp_path):
+    site_dir = _site_with_hook(tmp_path)
+    quiet = _python_with_site(site_dir, TORCH_DTYPE_NOISE, pythonpath=_with_dependencies(REPO))
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "torch_dtype" not in quiet.stderr
+    shown = _python_with_site(site_dir, TORCH_DTYPE_NOISE, pythonpath=_with_dependencies(REPO),
+                              MERGEKIT_DARTS_VERBOSE="1")
+    assert "`torch_dtype` is deprecated" in shown.stderr  # the filter is what removed it

@@ -96,7 +96,9 @@ def test_cli_without_ray_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
     result = CliRunner().invoke(main, ["sweep", str(path), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    assert "pip install 'mergekit-darts[sweep]'" in result.output
+    from mergekit_darts.extras import install_command
+
+    assert "[sweep] extra: " + install_command("sweep") in result.output
     listed = CliRunner().invoke(main, ["sweep", str(path), "-o", str(tmp_path / "out"), "--dry-run"])
     assert listed.exit_code == 0 and "2 cells, 0 done" in listed.output
 

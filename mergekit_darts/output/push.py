@@ -90,7 +90,7 @@ def check_publishable(out_dir: str) -> Dict[str, object]:
         raise PushError(f"{out_dir}: the model code ({', '.join(absent) or 'auto_map in config.json'}) is missing, "
                         f"so trust_remote_code loading would fail; {RERUN}")
     card = os.path.join(out_dir, CARD)
-    if not os.path.isfile(card) or CARD_BEGIN not in open(card, encoding="utf-8").read():
+    if not os.path.isfile(card) or CARD_BEGIN not in _read(card):
         raise PushError(f"{out_dir}: no model card ({CARD} with the 'Representation surgery' section that says how "
                         f"to load the domains); {RERUN}")
     files = [n for n in names if os.path.isfile(os.path.join(out_dir, n))]
@@ -125,3 +125,8 @@ def push(out_dir: str, repo_id: str, private: bool = False, token: Optional[str]
         raise PushError(f"push {repo_id}: the Hub refused: {first}") from None
     return {"url": str(url), "repo_id": url.repo_id, "commit": getattr(commit, "oid", None), **summary}
 
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()

@@ -20,20 +20,20 @@ from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
 from mergekit_darts.errors import DartsError
+from mergekit_darts.extras import needs
 from mergekit_darts.sweep.config import SweepSpec
 from mergekit_darts.sweep.grid import Cell, expand, group_by_merge, validate
 from mergekit_darts.sweep import results as results_io
 
 LOG = logging.getLogger(__name__)
 MERGE_MARKER = ".sweep_merge.json"  # written last: a merge dir without it is incomplete
-INSTALL_HINT = "pip install 'mergekit-darts[sweep]'"
 
 
 def import_ray():
     try:
         import ray
     except ImportError:
-        raise DartsError(f"mergekit-darts sweep needs Ray, which is not installed: {INSTALL_HINT}") from None
+        raise DartsError(needs("mergekit-darts sweep (Ray, not installed)", "sweep")) from None
     return ray
 
 

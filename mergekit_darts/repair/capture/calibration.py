@@ -17,6 +17,7 @@ import string
 from typing import Any, Dict, List, Sequence
 
 from mergekit_darts.config import CalibrationConfig, SurgeryConfigError
+from mergekit_darts.extras import install_command
 
 LOG = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def _read_file(cal: CalibrationConfig, where: str) -> List[Dict[str, Any]]:
         raise
     except ImportError as error:
         raise SurgeryConfigError(
-            f"{where}.path: reading {cal.path!r} needs {error.name}; pip install 'mergekit-darts[data]'"
+            f"{where}.path: reading {cal.path!r} needs {error.name}, in the [data] extra: {install_command('data')}"
         ) from None
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise SurgeryConfigError(f"{where}.path: cannot read {cal.path!r}: {error}") from None
@@ -158,7 +159,7 @@ def _load_dataset(cal: CalibrationConfig, where: str):
         import datasets  # optional dependency (mergekit-darts[data])
     except ImportError:
         raise SurgeryConfigError(
-            f"{where}.dataset: loading {name} needs the 'datasets' package; pip install 'mergekit-darts[data]'"
+            f"{where}.dataset: loading {name} needs the 'datasets' package, in the [data] extra: {install_command('data')}"
         ) from None
     try:
         return datasets.load_dataset(cal.dataset, cal.subset, split=cal.split)
