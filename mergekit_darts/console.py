@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Iterator, Optional, TextIO
+from typing import Iterator, List, Optional, TextIO
 
 LOGGER = "mergekit_darts"
 
@@ -133,3 +133,46 @@ def routing_accuracy(entry: dict) -> str:
         return ", ".join(f"{name} {'-' if value is None else f'{100 * value:.1f}%'}"
                          for name, value in (entry.get("accuracy") or {}).items())
     return ", ".join(parts) + (f"; pooled {share(right, total)}" if len(parts) > 1 else "")
+
+
+WIDTH = 100  # the widest line a command prints (tables are split, prose wrapped, to fit)
+
+
+def format_table(rows: List[List[str]], width: int = WIDTH, keep: int = 1) -> List[str]:
+    """A plain-text table (first row the header, a rule under it). Wider than ``width``: the columns
+    after the first ``keep`` are split into several tables, one under the other, each repeating them."""
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    blocks, current = [], []
+    kept = sum(widths[:keep]) + 2 * keep
+    for index in range(keep, len(widths)):
+        used = kept + sum(widths[i] + 2 for i in current)
+        if current and used + widths[index] > width:
+            blocks.append(current)
+            current = []
+        current.append(index)
+    blocks.append(current)
+    lines = []
+    for number, block in enumerate(blocks):
+        columns = list(range(keep)) + block
+        if number:
+            lines.append("")
+        for row_index, row in enumerate(rows):
+            lines.append("  ".join(row[i].ljust(widths[i]) for i in columns).rstrip())
+            if row_index == 0:
+                lines.append("  ".join("-" * widths[i] for i in columns))
+    return lines
+
+
+def pack(items: List[str], width: int = WIDTH, first: str = "", indent: str = "  ", separator: str = ", ") -> List[str]:
+    """``first`` then ``items`` joined by ``separator``, wrapped between items (never inside one)."""
+    lines, line = [], first
+    for position, item in enumerate(items):
+        piece = item + (separator if position < len(items) - 1 else "")
+        if line.strip() and len(line) + len(piece.rstrip()) > width:
+            lines.append(line.rstrip())
+            line = indent
+        line += piece
+    lines.append(line.rstrip())
+    return lines

@@ -65,12 +65,41 @@ def merge_and_repair(config_source: str, out_path: str, run_merge: Callable, opt
     settings = RunSettings.resolve(surgery, options)
     # a typo costs seconds, not a 70B merge
     texts = check_before_merge(surgery, merge_config, settings, out_path=out_path)
+    earlier = describe_earlier_result(out_path)
+    if earlier:
+        say(f"{out_path} holds {earlier}; it is replaced when this run has finished (and kept if it fails)")
     report = _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery,
                                       settings, texts)
     if not settings.quiet:
-        for line in summary_lines(report):
-            print(f"mergekit-darts: {line}", file=sys.stderr)
+        print_summary(report)
+    say(f"repaired merge written to {out_path}")
     return report
+
+
+def say(line: str) -> None:
+    """One line of what a run did, as every command and mergekit-yaml print it (stderr, prefixed:
+    stdout stays for the commands' own results)."""
+    print(f"mergekit-darts: {line}", file=sys.stderr, flush=True)
+
+
+def print_summary(report: dict) -> None:
+    for line in summary_lines(report):
+        say(line)
+
+
+def describe_earlier_result(path: str) -> Optional[str]:
+    """What a run over ``path`` replaces, in words ("a repaired merge (domains math, code)"), or
+    None when there is nothing there."""
+    from mergekit_darts.output import layout
+
+    if not os.path.isdir(path) or not os.listdir(path):
+        return None
+    if layout.is_darts_dir(path):
+        domains = layout.read_darts_entry(path).get("domains") or {}
+        return f"an earlier repaired merge (domains {', '.join(domains) or 'none'})"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "an earlier model (a plain merge?)"
+    return f"{len(os.listdir(path))} earlier file(s)"
 
 
 def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery, settings,
@@ -87,8 +116,8 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
         stage.discard()
         raise
     if not settings.quiet:
-        print(f"mergekit-darts: merge written (staged for {out_path}); running {surgery.method} surgery "
-              f"on {len(surgery.domains)} domain(s)", file=sys.stderr)
+        say(f"merge written (staged for {out_path}); running {surgery.method} surgery on "
+            f"{len(surgery.domains)} domain(s)")
     try:
         report = repair_directory(stage.path, surgery, settings, texts=texts)
     except BaseException:

@@ -76,6 +76,8 @@ def test_mergekit_yaml_runs_the_surgery_block(tiny_family, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mergekit-darts: math: held-out bias" in result.stderr
     assert "torch_dtype" not in result.stderr and "Traceback" not in result.stderr  # quiet by default
+    assert result.stderr.rstrip().endswith(f"mergekit-darts: repaired merge written to {out}")
+    assert "holds an earlier" not in result.stderr
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DartsLlamaForCausalLM"]
     assert config["darts_domain"] == "math"
@@ -142,7 +144,9 @@ def test_cli_run_surgery_and_info(tiny_family, tmp_path):
     cfg2 = _write_config(tmp_path, tiny_family, name="cfg2.yml", method="darts", loss="l1")
     result = _run([str(BIN / "mergekit-darts"), "surgery", str(cfg2), str(plain)], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "held-out bias" in result.stdout
+    # the same lines as mergekit-yaml and `run` print, and where the result went
+    assert "mergekit-darts: math: held-out bias" in result.stderr
+    assert result.stderr.rstrip().endswith(f"mergekit-darts: surgery written to {plain}")
     config = json.loads((plain / "config.json").read_text())
     assert config["darts"]["method"] == "darts" and config["architectures"] == ["DartsLlamaForCausalLM"]
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -99,24 +100,39 @@ surgery:
 
 
 def test_compare_command_on_the_tiny_family(tiny_family, tmp_path):
-    """The real pipeline end to end: three seeds per group on the tiny family, then the report."""
+    """The real pipeline end to end: three seeds per group on the tiny family, in a scratch copy that
+    leaves MERGED_PATH byte for byte as it was; then --in-place, which restores the config's surgery."""
+    import hashlib
+
     from helpers import merge_yaml
 
     from mergekit_darts.cli.evaluate import compare_command, report_command
+    from mergekit_darts.cli.scratch import scratch_path
 
     out = tmp_path / "merged"
     shutil.copytree(tiny_family["merged"], out)
+
+    def digest():
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
+
+    before = digest()
     cfg = tmp_path / "cfg.yml"
     cfg.write_text(merge_yaml(tiny_family) + TINY_SURGERY.format(cache=tmp_path / "cache", math=tiny_family["math"]))
     runner = CliRunner()
     result = runner.invoke(compare_command, [str(cfg), str(out), "--seeds", "3", "--json", str(tmp_path / "c.json"),
                                              "--quiet"])
     assert result.exit_code == 0, result.output + repr(result.exception)
+    assert f"{out} is left as it is" in result.output
+    assert digest() == before and not os.path.exists(scratch_path(str(out)))
     data = json.loads((tmp_path / "c.json").read_text())
     assert len(data["runs"]) == 6 and "math/heldout_l1" in data["stats"]
     for group in data["stats"]["math/heldout_l1"]["groups"].values():
         assert group["n"] == 3 and group["shapiro"] is not None
     assert "Mann-Whitney" in result.output
+    in_place = runner.invoke(compare_command, [str(cfg), str(out), "--seeds", "1", "--json", str(tmp_path / "c.json"),
+                                               "--quiet", "--in-place"])
+    assert in_place.exit_code == 0, in_place.output
+    assert "--in-place" in in_place.output and "(replacing the earlier file)" in in_place.output
     report = runner.invoke(report_command, [str(out)])  # restored surgery has a report to render
     assert report.exit_code == 0, report.output
     assert "math" in report.output and (out / "darts_bias.png").exists()

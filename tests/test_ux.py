@@ -213,14 +213,35 @@ def _report(tmp_path, loss, after_scale):
                         for d in ("math", "code")}}
 
 
-def test_report_table_includes_held_out_kl(tmp_path):
+def test_report_table_includes_held_out_kl_and_fits_100_columns(tmp_path):
     from mergekit_darts.repair.report.table import summary_table
 
     table = summary_table(_report(tmp_path, "kl", 0.25))
-    header = next(line for line in table.splitlines() if line.startswith("domain"))
-    assert "KL before" in header and "KL after" in header and "KL gap closed" in header
-    math_row = next(line for line in table.splitlines() if line.startswith("math"))
-    assert math_row.split()[-4:] == ["0.5", "0.125", "75.0%", "-"]  # the last column is the verdict
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("domain") and "KL before" in line)
+    assert "KL after" in header and "gap closed" in header
+    math_row = [line for line in lines if line.startswith("math")]
+    assert math_row[0].split()[-1] == "-"  # the verdict closes the training table
+    assert math_row[1].split()[-3:] == ["0.5", "0.125", "75.0%"]
+    # the widest case: long domain names, depth, a preset
+    report = _report(tmp_path, "kl", 0.25)
+    report["domains"] = {"instruct": report["domains"]["math"], "mathematics": report["domains"]["code"]}
+    report["surgery"].update(depth=1, depth_rank=8, preset="best", head_rank=4, content="linear")
+    wide = summary_table(report)
+    assert max(len(line) for line in wide.splitlines()) <= 100, wide
+    assert "(preset best)" in wide and "  2·2·4096 + 16·4096" in wide and "= 850,944 of" in wide
+
+
+def test_report_redraws_the_figure_only_when_it_is_stale(darts_dir):
+    figure = os.path.join(darts_dir, "darts_bias.png")
+    fresh = _cli(["report", darts_dir])
+    assert fresh.exit_code == 0 and "is up to date" in fresh.output  # the surgery wrote it after the report
+    drawn_at = os.path.getmtime(figure)
+    os.utime(os.path.join(darts_dir, "darts_report.json"), (drawn_at + 5, drawn_at + 5))
+    stale = _cli(["report", darts_dir])
+    assert stale.exit_code == 0 and "re-drew" in stale.output and os.path.getmtime(figure) > drawn_at
+    assert "re-drew" in _cli(["report", darts_dir, "--plot"]).output
+    assert "darts_bias.png" not in _cli(["report", darts_dir, "--no-plot"]).output
 
 
 def test_bias_figure_draws_several_variants_without_a_legend_over_data(tmp_path, monkeypatch):
@@ -343,3 +364,41 @@ def test_files_the_documented_commands_write_are_git_ignored():
                "tiny_out.plain-merge-20261201-120000/config.json", "darts_compare.json", "darts_demo/results.md"]
     result = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True, text=True)
     assert sorted(result.stdout.split()) == sorted(written)
+
+
+def test_rerunning_over_an_earlier_result_says_so_in_one_line(tiny_family, tmp_path):
+    from helpers import QUICK_TEXTS, merge_yaml, quick_surgery_output
+
+    from mergekit_darts.pipeline import describe_earlier_result
+
+    out = quick_surgery_output(tiny_family, tmp_path / "out", tmp_path / "cache", domains=("math", "code"))
+    assert describe_earlier_result(out) == "an earlier repaired merge (domains math, code)"
+    assert describe_earlier_result(tiny_family["merged"]) == "an earlier model (a plain merge?)"
+    assert describe_earlier_result(str(tmp_path / "nothing")) is None
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(merge_yaml(tiny_family) + (
+        "surgery:\n  rank: 2\n  max_positions: 16\n  steps: 2\n  device: cpu\n  dtype: float32\n"
+        f"  cache_dir: {tmp_path / 'cache'}\n  domains:\n    math:\n      model: {tiny_family['math']}\n"
+        f"      calibration: {{texts: {QUICK_TEXTS['math']}, samples: 3}}\n"))
+    result = _cli(["surgery", str(cfg), out, "--quiet"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert [line for line in lines if "holds" in line] == [
+        f"mergekit-darts: {out} holds an earlier surgery (domains math, code); it is replaced when this one has finished"]
+    assert lines[-1] == f"mergekit-darts: surgery written to {out}"
+
+
+def test_the_demo_says_what_it_will_do_before_it_starts(tmp_path, monkeypatch):
+    from mergekit_darts.cli.demo import plan_lines
+
+    monkeypatch.chdir(tmp_path)
+    first = plan_lines("./darts_demo", quick=False)  # the default --workdir
+    assert first[0].startswith("mergekit-darts demo:") and "1. train a tiny Llama base and 3 experts" in first[1]
+    assert "about 4.5 min on a 2-core CPU (first run, family trained)" in first[-1]
+    (tmp_path / "darts_demo" / "family").mkdir(parents=True)
+    (tmp_path / "darts_demo" / "family" / "family.json").write_text("{}")
+    (tmp_path / "darts_demo" / "results.md").write_text("earlier")
+    again = plan_lines("./darts_demo", quick=False)
+    assert "1. reuse (if it matches this seed)" in again[1] and "2.4 min" in again[-1]
+    assert any("an earlier demo's results" in line for line in again)
+    assert all(len(line) <= 100 for line in first + again)

@@ -1,7 +1,44 @@
 """``mergekit-darts demo``: the whole story on a tiny model family, on CPU, in one command;
 ``mergekit-darts example``: the offline example's files, to run ``mergekit-yaml`` on."""
 
+import os
+
 import click
+
+# Wall seconds of `mergekit-darts demo` on this project's 2-core CPU machine, (first run, rerun with
+# the family reused), as measured (full: README "Demo", 2026-12-01). --quick was timed only on a machine
+# loaded 9x over its cores (458 s, 580 s): not an estimate worth printing.
+MEASURED_S = {False: (268, 144), True: None}
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def plan_lines(workdir: str, quick: bool) -> list:
+    """What the demo will do, in order, and how long it took here; said before it starts."""
+    from mergekit_darts.demo.run import ABLATIONS, DemoSizes
+    from mergekit_darts.demo.tasks import DOMAINS
+
+    sizes = DemoSizes.quick() if quick else DemoSizes()
+    family = os.path.join(workdir, "family")
+    reuse = os.path.exists(os.path.join(family, "family.json"))
+    lines = [f"mergekit-darts demo{' --quick' if quick else ''}: DARTS on a tiny model family, on the CPU, "
+             "nothing downloaded",
+             f"  1. {'reuse (if it matches this seed)' if reuse else 'train'} a tiny Llama base and "
+             f"{len(DOMAINS)} experts ({', '.join(DOMAINS)}): {family}",
+             "  2. merge them with mergekit (task arithmetic) and repair the merge, as mergekit-yaml would:",
+             f"     {os.path.join(workdir, 'demo.yml')} -> {os.path.join(workdir, 'merged')}",
+             f"  3. retrain the surgery for {len(ABLATIONS)} more variants; score the base, the experts, the merge",
+             f"     and every variant on {sizes.test} test problems per domain",
+             f"  4. write {os.path.join(workdir, 'results.md')}, results.json and darts_bias.png"]
+    if os.path.exists(os.path.join(workdir, "results.md")):
+        lines.append(f"  (an earlier demo's results in {workdir} are replaced)")
+    measured = MEASURED_S[quick]
+    if measured:
+        lines.append(f"  took about {_minutes(measured[1] if reuse else measured[0])} on a 2-core CPU "
+                     f"({'family reused' if reuse else 'first run, family trained'})")
+    return lines
 
 
 @click.command("demo")
@@ -13,13 +50,14 @@ def demo_command(workdir: str, seed: int, quick: bool):
     """Train a tiny Llama family (base + math/code/instruct experts) on CPU, merge it with
     mergekit (task arithmetic), repair it with DARTS and the baselines, and print Table 1."""
     import logging
-    import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     from mergekit_darts.demo.run import run_demo
 
+    for line in plan_lines(workdir, quick):
+        click.echo(line)
     result = run_demo(workdir, seed=seed, quick=quick, log=click.echo)
     click.echo(f"Results: {os.path.join(os.path.abspath(workdir), 'results.md')} (and results.json, "
                f"darts_bias.png); total {sum(result['timings_s'].values()):.0f}s")
@@ -33,8 +71,6 @@ def example_command(dest: str, force: bool):
     """Write the offline example into --dir: tiny_family/ (a random tiny Llama base, math and code
     experts, math calibration prompts; nothing is downloaded) and tiny_offline.yml, a mergekit YAML
     with a surgery: block. Then run: mergekit-yaml tiny_offline.yml tiny_out"""
-    import os
-
     from transformers.utils import logging as hf_logging
 
     from mergekit_darts.demo.offline import write_offline_example

@@ -137,20 +137,27 @@ def _groups(value: str) -> Dict[str, Dict[str, str]]:
 @click.option("--demo-seed", type=int, default=0, show_default=True, help="Seed of the demo's test splits.")
 @_compare_eval_options
 @click.option("--json", "json_path", default="darts_compare.json", show_default=True, help="Where to write the JSON.")
+@click.option("--in-place", is_flag=True,
+              help="Train in MERGED_PATH itself, replacing its surgery (default: in a scratch copy beside it).")
 @click.option("--restore/--no-restore", default=True, show_default=True,
-              help="Retrain the config's own surgery at the end so MERGED_PATH matches CONFIG_FILE.")
+              help="With --in-place: retrain the config's own surgery at the end so MERGED_PATH matches CONFIG_FILE.")
 @surgery_options
 def compare_command(config_file: str, out_path: str, seeds: int, first_seed: int, groups: str, demo: bool,
-                    demo_seed: int, tasks: str, json_path: str, restore: bool, device, cuda, random_seed,
-                    trust_remote_code, quiet, **kwargs):
+                    demo_seed: int, tasks: str, json_path: str, in_place: bool, restore: bool, device, cuda,
+                    random_seed, trust_remote_code, quiet, **kwargs):
     """Surgery variants over several calibration seeds: standard + L1 vs DARTS + EWL1 by default.
 
     \b
-    Trains both on MERGED_PATH once per seed (hidden states are cached, so reruns only train),
-    scores each run and reports per-seed scores, Shapiro-Wilk per group and a two-sided
-    Mann-Whitney U test. Scores: lm-eval --tasks when given explicitly, --demo accuracies, or by
-    default the held-out bias after surgery from each run's report (lower is better).
+    Trains both once per seed on a scratch copy of MERGED_PATH (weights hard-linked, deleted at the
+    end; MERGED_PATH is left as it is), hidden states cached so reruns only train; scores each run
+    and reports per-seed scores, Shapiro-Wilk per group and a two-sided Mann-Whitney U test.
+    Scores: lm-eval --tasks when given explicitly, --demo accuracies, or by default the held-out
+    bias after surgery from each run's report (lower is better).
     """
+    import contextlib
+    import os
+
+    from mergekit_darts.cli.scratch import scratch_copy
     from mergekit_darts.evaluation.compare import compare_table, demo_scorer, heldout_scorer, run_compare, task_scorer
 
     options = surgery_run_options(device, cuda, random_seed, trust_remote_code, quiet)
@@ -165,22 +172,47 @@ def compare_command(config_file: str, out_path: str, seeds: int, first_seed: int
         scorer = task_scorer(_tasks(tasks), **_evaluate_kwargs(**kwargs))
     else:
         scorer = heldout_scorer
-    result = run_compare(source, out_path, seeds=seeds, first_seed=first_seed, scorer=scorer,
-                         groups=_groups(groups), restore=restore, options=options, log=click.echo)
+    groups = _groups(groups)
+    if not os.path.isfile(os.path.join(out_path, "config.json")):
+        raise click.BadParameter(f"{out_path!r} is not a merged model directory (no config.json)",
+                                 param_hint="MERGED_PATH")
+    if in_place:
+        click.echo(f"compare: training in {out_path} itself (--in-place): its surgery is replaced by each run"
+                   + ("; the config's own is retrained at the end" if restore else " and the last one stays"))
+        where = contextlib.nullcontext(out_path)
+    else:
+        click.echo(f"compare: training in a scratch copy of {out_path} (weights hard-linked, deleted at the end); "
+                   f"{out_path} is left as it is")
+        where = scratch_copy(out_path)
+    with where as work:
+        result = run_compare(source, work, seeds=seeds, first_seed=first_seed, scorer=scorer, groups=groups,
+                             restore=restore and in_place, options=options, log=click.echo)
+    replaced = os.path.exists(json_path)
     with open(json_path, "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=2)
     click.echo("\n" + compare_table(result))
-    click.echo(f"results written to {json_path}")
+    click.echo(f"results written to {json_path}" + (" (replacing the earlier file)" if replaced else ""))
 
 
 @click.command("report")
 @click.argument("out_path", metavar="OUT_PATH")
-@click.option("--no-plot", is_flag=True, help="Only print the table; leave darts_bias.png alone.")
-def report_command(out_path: str, no_plot: bool):
-    """Print the bias table of OUT_PATH/darts_report.json and re-draw OUT_PATH/darts_bias.png."""
+@click.option("--plot/--no-plot", default=None,
+              help="Re-draw darts_bias.png (default: only when it is missing or older than darts_report.json).")
+def report_command(out_path: str, plot: Optional[bool]):
+    """Print the bias table of OUT_PATH/darts_report.json; re-draw OUT_PATH/darts_bias.png if stale."""
+    import os
+
+    from mergekit_darts.output.layout import PLOT, REPORT
     from mergekit_darts.repair.report.table import render_report
 
+    figure, report = os.path.join(out_path, PLOT), os.path.join(out_path, REPORT)
+    stale = not os.path.exists(figure) or (os.path.exists(report) and os.path.getmtime(figure) < os.path.getmtime(report))
+    draw = stale if plot is None else plot
     try:
-        click.echo(render_report(out_path, plot=not no_plot))
+        click.echo(render_report(out_path, plot=draw))
     except (FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from None
+    if draw:
+        click.echo(f"\nre-drew {figure}")
+    elif plot is None:
+        click.echo(f"\n{figure} is up to date (--plot re-draws it)")

@@ -50,8 +50,7 @@ def run_command(merge_options, config_file: str, out_path: str):
     _, surgery = parse_config_source(source)
     if surgery is None:
         raise SurgeryConfigError(f"{config_file}: no surgery: block; use mergekit-yaml for a plain merge")
-    merge_and_repair(source, out_path, original_run_merge(), options=merge_options)
-    click.echo(f"Repaired merge written to {out_path}")
+    merge_and_repair(source, out_path, original_run_merge(), options=merge_options)  # ends "written to OUT_PATH"
 
 
 @click.command("surgery")
@@ -65,12 +64,16 @@ def surgery_command(config_file: str, out_path: str, **options):
     CONFIG_FILE  a mergekit YAML with a surgery: block (its merge part is not used)
     MERGED_PATH  a merged model directory; it becomes the repaired output
     """
-    from mergekit_darts.pipeline import run_surgery, summary_lines
+    from mergekit_darts.output.layout import is_darts_dir, read_darts_entry
+    from mergekit_darts.pipeline import print_summary, run_surgery, say
 
+    if is_darts_dir(out_path):
+        domains = ", ".join(read_darts_entry(out_path).get("domains") or {}) or "none"
+        say(f"{out_path} holds an earlier surgery (domains {domains}); it is replaced when this one has finished")
     report = run_surgery(read_config_file(config_file), out_path, options=surgery_run_options(**options))
-    for line in summary_lines(report):
-        click.echo(line)
-    click.echo(f"Surgery written to {out_path}")
+    if not options["quiet"]:
+        print_summary(report)  # as mergekit-yaml and `run` print it
+    say(f"surgery written to {out_path}")
 
 
 @click.command("info")

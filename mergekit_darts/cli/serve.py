@@ -3,6 +3,8 @@
 Only click is imported at module level; torch and the writers load when a command runs.
 """
 
+import os
+
 import click
 
 DROP_HELP = ("Fold a method: darts correction without its per-position bias table (it cannot be folded); "
@@ -66,9 +68,9 @@ def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: b
     base = summaries.pop(BASE_DIR)
     files = ", ".join(f"{len(base[key])} {key}" for key in ("linked", "copied", "written") if base[key])
     click.echo(f"{BASE_DIR}: plain {base['architecture']}{' with an untied lm_head' if base['untied_head'] else ''} "
-               f"-> {dest}/{BASE_DIR} (weight files: {files})")
+               f"-> {os.path.join(dest, BASE_DIR)} (weight files: {files})")
     for name, summary in summaries.items():
         if summary["dropped_position_bias"]:
             for line in _kl_lines(name, held_out_kl_note(out_path, name)):
                 click.echo(line)
-        click.echo(f"{name}: LoRA rank {summary['rank']} on lm_head -> {dest}/{name}")
+        click.echo(f"{name}: LoRA rank {summary['rank']} on lm_head -> {os.path.join(dest, name)}")

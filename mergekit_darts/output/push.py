@@ -72,14 +72,14 @@ def check_publishable(out_dir: str) -> Dict[str, object]:
     try:
         weight_map = read_json(os.path.join(out_dir, INDEX))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise PushError(f"{out_dir}/{INDEX}: unreadable ({error}); {RERUN}") from None
+        raise PushError(f"{os.path.join(out_dir, INDEX)}: unreadable ({error}); {RERUN}") from None
     for shard in sorted(set(weight_map.values())):
         path = os.path.join(out_dir, shard)
         if not os.path.isfile(path):
             raise PushError(f"{out_dir}: {INDEX} names {shard}, which is missing; {RERUN}")
         problem = _shard_problem(path)
         if problem:
-            raise PushError(f"{out_dir}/{shard}: {problem}; {RERUN}")
+            raise PushError(f"{os.path.join(out_dir, shard)}: {problem}; {RERUN}")
     missing_tensors = [f"{DARTS_TENSOR_PREFIX}{d}.{p}" for d in domains for p in ("down.weight", "up.weight")
                        if weight_map.get(f"{DARTS_TENSOR_PREFIX}{d}.{p}") != DARTS_SHARD]
     if missing_tensors:

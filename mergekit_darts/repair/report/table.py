@@ -5,6 +5,7 @@ import json
 import os
 from typing import Any, Dict, Optional
 
+from mergekit_darts.console import format_table, pack
 from mergekit_darts.repair.report.plot import plot_bias
 
 REPORT_FILE = "darts_report.json"
@@ -27,42 +28,46 @@ def _sig(value: Optional[float]) -> str:
 def summary_table(report: Dict[str, Any]) -> str:
     """A plain-text table (Table 3 style) per domain: bias before/after surgery, and the KL to the
     expert's next-token distribution before/after with the share of it closed; "measured on" says
-    whether those are held-out or (held_out: 0, too few records) training records."""
-    header = ["domain", "train", "held-out", "measured on", "final loss", "train s", "L1 before", "L1 after",
-              "reduction", "EW-L1 before", "EW-L1 after", "KL before", "KL after", "KL gap closed", "verdict"]
-    rows = [header]
+    whether those are held-out or (held_out: 0, too few records) training records. Two tables
+    (training, then what was measured) of at most 100 columns (``console.format_table``)."""
+    training = [["domain", "train", "held-out", "measured on", "final loss", "train s", "verdict"]]
+    measured = [["domain", "L1 before", "L1 after", "L1 cut", "EW-L1 before", "EW-L1 after", "KL before",
+                 "KL after", "gap closed"]]
     for name, entry in report.get("domains", {}).items():
         bias = entry.get("bias") or {}
         calib = entry.get("calibration") or {}
         kl = entry.get("held_out_kl") or {}
         before, after = bias.get("mean_before"), bias.get("mean_after")
         reduction = f"{100 * (1 - after / before):.1f}%" if before and after is not None else "-"
-        measured = "held-out" if entry.get("bias_split", "held_out") == "held_out" else "TRAINING records"
+        split = "held-out" if entry.get("bias_split", "held_out") == "held_out" else "TRAINING records"
         status = (entry.get("verdict") or {}).get("status", "-")
         closed = kl.get("gap_closed")
-        rows.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), measured,
-                     _fmt(entry.get("final_loss")), _fmt(entry.get("train_seconds"), 1), _fmt(before), _fmt(after),
-                     reduction,
-                     _fmt(bias.get("mean_before_weighted")), _fmt(bias.get("mean_after_weighted")),
-                     _sig(kl.get("before")), _sig(kl.get("after")), "-" if closed is None else f"{100 * closed:.1f}%",
-                     status if status in ("improved", "-") else status.upper()])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+        training.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), split,
+                         _fmt(entry.get("final_loss")), _fmt(entry.get("train_seconds"), 1),
+                         status if status in ("improved", "-") else status.upper()])
+        measured.append([name, _fmt(before), _fmt(after), reduction, _fmt(bias.get("mean_before_weighted")),
+                         _fmt(bias.get("mean_after_weighted")), _sig(kl.get("before")), _sig(kl.get("after")),
+                         "-" if closed is None else f"{100 * closed:.1f}%"])
+    lines = format_table(training) + [""] + format_table(measured)
     settings = report.get("surgery") or {}
     if settings:
         keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")
         if settings.get("depth"):
             keys += ("depth", "depth_rank")
-        lines.insert(0, "surgery: " + ", ".join(f"{k}={settings[k]}" for k in keys if k in settings)
-                     + (f" (preset {settings['preset']})" if settings.get("preset") else ""))
+        items = [f"{k}={settings[k]}" for k in keys if k in settings]
+        if settings.get("preset") and items:
+            items[-1] += f" (preset {settings['preset']})"
+        head = pack(items, first="surgery: ")
         if all(k in settings for k in ("rank", "max_positions")):
             from mergekit_darts.repair.budget import describe_share, share_of_7b
 
-            lines.insert(1, describe_share(share_of_7b(settings)))
-    lines += ["", "All on the held-out calibration records; lower is better except 'KL gap closed'.",
-              "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's.",
-              "KL: KL(expert || model) of the next-token distribution (nats/token); gap closed = 1 - after/before.",
+            share, _, formula = describe_share(share_of_7b(settings)).partition(": ")
+            head += [f"parameters: {share}"] + pack(formula.split(" + "), first="  ", indent="    ", separator=" + ")
+        lines = head + [""] + lines
+    lines += ["", "All on the held-out calibration records ('measured on'); lower is better except the cut and gap.",
+              "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's;",
+              "  L1 cut: 1 - after/before. KL: KL(expert || model) of the next-token distribution",
+              "  (nats/token); gap closed: 1 - KL after/before.",
               "train s: wall seconds of the domain's training (lr choice, early stopping and refit included)."]
     return "\n".join(lines)
 
