@@ -399,6 +399,6 @@ def test_the_demo_says_what_it_will_do_before_it_starts(tmp_path, monkeypatch):
     (tmp_path / "darts_demo" / "family" / "family.json").write_text("{}")
     (tmp_path / "darts_demo" / "results.md").write_text("earlier")
     again = plan_lines("./darts_demo", quick=False)
-    assert "1. reuse (if it matches this seed)" in again[1] and "2.4 min" in again[-1]
+    assert "1. reuse a tiny Llama base" in again[1] and "2.4 min" in again[-1]
     assert any("an earlier demo's results" in line for line in again)
     assert all(len(line) <= 100 for line in first + again)

@@ -25,7 +25,7 @@ def plan_lines(workdir: str, quick: bool) -> list:
     reuse = os.path.exists(os.path.join(family, "family.json"))
     lines = [f"mergekit-darts demo{' --quick' if quick else ''}: DARTS on a tiny model family, on the CPU, "
              "nothing downloaded",
-             f"  1. {'reuse (if it matches this seed)' if reuse else 'train'} a tiny Llama base and "
+             f"  1. {'reuse' if reuse else 'train'} a tiny Llama base and "
              f"{len(DOMAINS)} experts ({', '.join(DOMAINS)}): {family}",
              "  2. merge them with mergekit (task arithmetic) and repair the merge, as mergekit-yaml would:",
              f"     {os.path.join(workdir, 'demo.yml')} -> {os.path.join(workdir, 'merged')}",
