@@ -10,6 +10,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union, get_arg
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mergekit_darts.errors import SurgeryConfigError  # noqa: F401  (re-exported: the schema's error)
+from mergekit_darts.yaml_source import split_yaml  # noqa: F401  (re-exported: where configs are read)
 
 # Each vocabulary is defined once, as a Literal; the tuples are derived from it.
 Method = Literal["darts", "standard"]
@@ -61,6 +62,9 @@ MAX_STEPS = 10_000_000
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range
 MAX_BATCH = 1 << 20
 MAX_DEPTH = 1024  # decoder layers: more than any released model has
+# An Adam step moves each parameter by up to lr: above 10 the first step already dwarfs every hidden
+# state (measured: lr 10 makes the tiny models' held-out bias 20000x worse); useful values are 1e-4..1e-1.
+MAX_LR = 10.0
 
 
 def _module_attribute_names() -> frozenset:
@@ -89,6 +93,26 @@ class CalibrationConfig(_Strict):
     # quality options (docs/quality.md): sampled continuations of each prompt besides the greedy one
     continue_samples: StrictInt = Field(0, ge=0, le=1024)
     continue_temperature: YamlFloat = Field(1.0, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _no_ignored_keys(self):
+        """A key written in the YAML that this source would ignore is an error naming both keys."""
+        given = self.model_fields_set
+        source = "path" if self.path is not None else "texts" if self.texts is not None else "dataset"
+        text_only = self.texts is not None or (self.path or "").lower().endswith(".txt")
+        rules = [
+            ("subset", source != "dataset", f"is read only for 'dataset', not '{source}'"),
+            ("split", source != "dataset", f"is read only for 'dataset', not '{source}'"),
+            ("separator", not (self.path or "").lower().endswith(".txt"), "splits only a .txt 'path'"),
+            ("field", text_only, f"is not read for {'texts' if self.texts is not None else 'a .txt path'} "
+             "(plain text: a template names it {text})"),
+            ("field", self.template is not None, "is not read with 'template' (the template names the fields)"),
+            ("continue_temperature", self.continue_samples == 0, "is used only with continue_samples > 0"),
+        ]
+        for key, ignored, why in rules:
+            if key in given and ignored:
+                raise ValueError(f"'{key}' {why}; remove it")
+        return self
 
     @model_validator(mode="after")
     def _samples_need_tokens(self):
@@ -122,7 +146,7 @@ class SurgeryConfig(_Strict):
     head_rank: StrictInt = Field(0, ge=0, le=MAX_RANK)
     max_positions: StrictInt = Field(512, gt=0, le=MAX_POSITIONS)
     steps: StrictInt = Field(500, ge=0, le=MAX_STEPS)
-    lr: YamlFloat = Field(1.0e-3, gt=0, allow_inf_nan=False)
+    lr: YamlFloat = Field(1.0e-3, gt=0, le=MAX_LR, allow_inf_nan=False)
     batch_size: Optional[StrictInt] = Field(None, gt=0, le=MAX_BATCH)
     seed: Optional[StrictInt] = Field(None, ge=0, le=MAX_SEED)
     device: str = "auto"
@@ -193,6 +217,37 @@ class SurgeryConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _no_ignored_options(self):
+        """An option this run would ignore is an error naming both keys (it was accepted silently)."""
+        given = self.model_fields_set
+        kl = self.loss == "kl"
+        chooses = self.early_stopping or len(self.lr_candidates or ()) > 1
+        rules = [
+            ("head_rank", self.head_rank > 0 and not kl, "loss",
+             f"the logit correction is trained only by loss: kl ('{self.loss}' never reaches it, so it would "
+             "ship zeros); set loss: kl or head_rank: 0"),
+            *[(key, not kl, "loss", f"{key} is used only with loss: kl (loss is '{self.loss}'); remove it or "
+               "set loss: kl") for key in ("kl_target", "kl_precision", "kl_positions_per_step", "kl_top_k")],
+            ("kl_top_k", kl and self.kl_target != "topk", "kl_target",
+             f"kl_top_k is used only with kl_target: topk (kl_target is '{self.kl_target}')"),
+            ("lr", self.lr_candidates is not None, "lr_candidates",
+             "lr_candidates chooses the learning rate, so lr would be ignored; give one of them"),
+            *[(key, not self.early_stopping, "early_stopping", f"{key} is used only with early_stopping: true")
+              for key in ("eval_every", "patience")],
+            *[(key, not chooses, "early_stopping/lr_candidates",
+               f"{key} is used only when something is chosen on validation records (early_stopping: true or "
+               "two or more lr_candidates)") for key in ("validation", "refit")],
+            ("depth_rank", self.depth == 0, "depth", "depth_rank is used only with depth > 0"),
+            *[(key, not self.router_enabled, "router",
+               f"{key} is used only with the router (router: true; it is off by default with one domain)")
+              for key in ("router_threshold", "router_eval")],
+        ]
+        for key, ignored, other, why in rules:
+            if key in given and ignored:
+                raise ValueError(f"{key} together with {other}: {why}")
+        return self
+
+    @model_validator(mode="after")
     def _max_memory_needs_map(self):
         if self.max_memory is not None and self.device_map is None:
             raise ValueError("max_memory needs device_map (e.g. device_map: auto); it has no effect without one")
@@ -206,8 +261,8 @@ class SurgeryConfig(_Strict):
     @field_validator("lr_candidates")
     @classmethod
     def _lr_candidates(cls, value: Optional[List[float]]) -> Optional[List[float]]:
-        if value is not None and (not value or any(not lr > 0 or lr == float("inf") for lr in value)):
-            raise ValueError("give a non-empty list of positive learning rates")
+        if value is not None and (not value or any(not 0 < lr <= MAX_LR for lr in value)):
+            raise ValueError(f"give a non-empty list of learning rates, each > 0 and <= {MAX_LR:g}")
         return value
 
     @field_validator("device")
@@ -281,7 +336,9 @@ def expand_preset(data: Any) -> Any:
     preset = data["preset"]
     if preset not in PRESETS:
         return data  # the Literal check names the field and the choices
-    return {**PRESETS[preset], **data}
+    # lr_candidates replaces the preset's lr (written, both would be an error: one lr is ignored)
+    filled = {k: v for k, v in PRESETS[preset].items() if not (k == "lr" and "lr_candidates" in data)}
+    return {**filled, **data}
 
 
 def preset_settings(surgery: "SurgeryConfig") -> Optional[Dict[str, Any]]:
@@ -302,6 +359,8 @@ def _format_error(error: ValidationError, prefix: str) -> str:
             msg = msg[len("Value error, "):]
         elif item["type"] in ("int_type", "float_type", "int_from_float") and "input" in item:
             msg = f"{msg} (got {item['input']!r}; write a plain number)"
+        elif item["type"] in ("less_than_equal", "less_than", "greater_than", "greater_than_equal") and "input" in item:
+            msg = f"{msg} (got {item['input']!r})"
         lines.append(f"{loc}: {msg}")
     return "; ".join(lines)
 
@@ -314,40 +373,3 @@ def parse_surgery_block(raw: Any, prefix: str = "surgery") -> SurgeryConfig:
         return SurgeryConfig.model_validate(raw)
     except ValidationError as error:
         raise SurgeryConfigError(_format_error(error, prefix)) from None
-
-
-def _unique_key_loader():
-    """A SafeLoader that rejects duplicate mapping keys (PyYAML keeps the last one silently: a second
-    ``math:`` domain would replace the first without a word)."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    hashable = key in seen
-                except TypeError:
-                    continue  # an unhashable key: construct_mapping reports it
-                if hashable:
-                    raise SurgeryConfigError(
-                        f"config: duplicate key {key!r} at line {key_node.start_mark.line + 1} (first at line "
-                        f"{seen[key] + 1}); YAML would silently keep only the last one"
-                    )
-                seen[key] = key_node.start_mark.line
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
-
-
-def split_yaml(config_source: str):
-    """Parse a mergekit YAML text into (merge config dict without ``surgery``, surgery block or None).
-    Duplicate keys anywhere in the file are errors."""
-    import yaml
-
-    data = yaml.load(config_source, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
-    if not isinstance(data, dict):
-        raise SurgeryConfigError("config: expected a YAML mapping at the top level")
-    surgery = data.pop("surgery", None)
-    return data, surgery

@@ -10,6 +10,10 @@ class SurgeryConfigError(DartsError, ValueError):
     """A ``surgery:`` block, or what it points at (calibration files, experts), is invalid."""
 
 
+class MergeConfigError(DartsError, ValueError):
+    """The mergekit part of a config (merge_method, models, ...) is invalid: mergekit's own message."""
+
+
 class FormatError(DartsError, ValueError):
     """A directory or file is not in the format mergekit-darts reads or writes."""
 
@@ -24,6 +28,52 @@ class FoldError(DartsError, ValueError):
 
 class DeviceError(DartsError, RuntimeError):
     """The requested device is not available on this machine."""
+
+
+def first_line(error: BaseException) -> str:
+    """An exception as one line: its first non-empty line, or its type when it has no message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+_DISK_FULL = (28, 27, 122)  # ENOSPC, EFBIG, EDQUOT
+
+
+def io_error(error: BaseException, doing: str) -> "DartsError | None":
+    """A failed read or write (OSError, or safetensors' SafetensorError, which wraps one in its text) as
+    one line naming the file and what to do; None for any other exception."""
+    import re
+
+    if isinstance(error, OSError):
+        where = error.filename or ""
+        reason = error.strerror or first_line(error)
+        full = error.errno in _DISK_FULL
+    elif type(error).__name__ == "SafetensorError":
+        # e.g. "Error while serializing: I/O error: File too large (os error 27)", or with the Rust
+        # debug form "IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"
+        text = first_line(error)
+        found = re.search(r'message: "([^"]+)"', text) or re.search(r"I/O error: (.+?) \(os error", text)
+        where, reason = "", found.group(1) if found else text
+        code = re.search(r"(?:code: |os error )(\d+)", text)
+        full = bool(code and int(code.group(1)) in _DISK_FULL) or "space" in reason.lower()
+    else:
+        return None
+    hint = "; free disk space (or choose a folder on a disk with room) and run again" if full else ""
+    return DartsError(f"{doing}: {where + ': ' if where else ''}{reason}{hint}")
+
+
+def one_line_error(error: BaseException, command: str) -> "DartsError | None":
+    """What a command reports for an exception that is not ours: a failed read/write (``io_error``) or a
+    loader's ValueError (a config the emitted model cannot read, ...) becomes one line naming the command;
+    anything else stays a traceback (a bug). MERGEKIT_DARTS_TRACEBACK=1 keeps every traceback."""
+    import os
+
+    if os.environ.get("MERGEKIT_DARTS_TRACEBACK", "").strip() in ("1", "true", "yes"):
+        return None
+    failed = io_error(error, command)
+    if failed is None and isinstance(error, ValueError):
+        failed = DartsError(f"{command}: {first_line(error)}")
+    return failed
 
 
 def to_click_error(error: Exception):

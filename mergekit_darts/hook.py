@@ -31,7 +31,10 @@ def wrap_run_merge(module) -> None:
 
     @functools.wraps(original)
     def run_merge(merge_config, out_path, options=None, config_source=None, *args, **kwargs):
-        if disabled() or not config_source or "surgery" not in config_source:
+        from mergekit_darts.yaml_source import mentions_surgery
+
+        # a near miss (`surgey:`) goes in too: it must fail, not merge plainly (docs/reliability.md)
+        if disabled() or not config_source or not mentions_surgery(config_source):
             return original(merge_config, out_path, options, config_source, *args, **kwargs)
         from mergekit_darts.console import user_logging
         from mergekit_darts.errors import DartsError, to_click_error
@@ -54,3 +57,30 @@ def wrap_run_merge(module) -> None:
 
     setattr(run_merge, _ORIGINAL_ATTR, original)
     module.run_merge = run_merge
+    _wrap_config_validation()
+
+
+def _wrap_config_validation() -> None:
+    """``mergekit-yaml`` validates ``MergeConfiguration`` before it calls ``run_merge``: for a config with
+    a ``surgery:`` block, its failure (a pydantic error, or the RuntimeError of "no models") becomes
+    one ``Error:`` line too. Plain configs keep mergekit's own behaviour."""
+    import mergekit.config
+
+    config_class = mergekit.config.MergeConfiguration
+    original = config_class.model_validate
+    if hasattr(original, _ORIGINAL_ATTR):
+        return
+
+    def model_validate(cls, obj, *args, **kwargs):
+        if cls is not config_class or disabled() or not (isinstance(obj, dict) and "surgery" in obj):
+            return original.__func__(cls, obj, *args, **kwargs)
+        from mergekit_darts.errors import to_click_error
+        from mergekit_darts.preflight import merge_config_error
+
+        try:
+            return original.__func__(cls, obj, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - pydantic, RuntimeError, ValueError: all one line
+            raise to_click_error(merge_config_error(error)) from None
+
+    setattr(model_validate, _ORIGINAL_ATTR, original)
+    config_class.model_validate = classmethod(model_validate)

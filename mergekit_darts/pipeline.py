@@ -13,12 +13,12 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
 import yaml
 
 from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
                                    split_yaml)
 from mergekit_darts.console import before_after
+from mergekit_darts.errors import io_error
 from mergekit_darts.repair.train.domain import train_domain
 from mergekit_darts.repair.train.split import prompt_count, split_held_out
 from mergekit_darts.settings import RunSettings
@@ -26,45 +26,55 @@ from mergekit_darts.settings import RunSettings
 LOG = logging.getLogger(__name__)
 
 
+def read_config_source(config_source: str) -> Tuple[Dict[str, Any], Any]:
+    """(mergekit part of the YAML, raw surgery block or None); YAML errors as one line."""
+    try:
+        return split_yaml(config_source)
+    except yaml.YAMLError as error:
+        detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise SurgeryConfigError(f"config: not valid YAML: {detail}") from None
+
+
 def parse_config_source(
     config_source: str, overrides: Optional[Dict[str, Any]] = None
 ) -> Tuple[Dict[str, Any], Optional[SurgeryConfig]]:
     """(mergekit part of the YAML, validated surgery block or None); ``overrides`` update ``surgery:``."""
-    try:
-        merge_part, surgery_raw = split_yaml(config_source)
-    except yaml.YAMLError as error:
-        raise SurgeryConfigError(f"config: not valid YAML: {error}") from None
+    merge_part, surgery_raw = read_config_source(config_source)
+    return merge_part, _surgery_block(surgery_raw, overrides)
+
+
+def _surgery_block(surgery_raw: Any, overrides: Optional[Dict[str, Any]] = None) -> Optional[SurgeryConfig]:
     if surgery_raw is None:
         if overrides:
             raise SurgeryConfigError("surgery: the config has no surgery: block to override")
-        return merge_part, None
+        return None
     if overrides:
         if not isinstance(surgery_raw, dict):
             raise SurgeryConfigError("surgery: expected a mapping")
         surgery_raw = {**copy.deepcopy(surgery_raw), **overrides}
-    return merge_part, parse_surgery_block(surgery_raw)
+    return parse_surgery_block(surgery_raw)
 
 
 def merge_and_repair(config_source: str, out_path: str, run_merge: Callable, options=None,
                      merge_config=None) -> Optional[dict]:
-    """What ``mergekit-yaml`` does with a ``surgery:`` block: validate everything, merge with
-    ``run_merge`` (mergekit's), repair ``out_path``. Returns the surgery report, or None for a YAML
-    without a surgery block (then this is exactly ``run_merge``)."""
+    """What ``mergekit-yaml`` does with a ``surgery:`` block: validate everything (mergekit's part
+    first), merge with ``run_merge`` (mergekit's), repair ``out_path``. Returns the surgery report, or
+    None for a YAML without a surgery block (then this is exactly ``run_merge``)."""
     from mergekit.config import MergeConfiguration
     from mergekit.options import MergeOptions
 
-    from mergekit_darts.preflight import check_before_merge
+    from mergekit_darts.preflight import check_before_merge, check_merge_config
 
     options = options or MergeOptions()
-    merge_part, surgery = parse_config_source(config_source)
-    if merge_config is None:
-        merge_config = MergeConfiguration.model_validate(merge_part)
-    if surgery is None:
-        run_merge(merge_config, out_path, options, config_source)
+    merge_part, surgery_raw = read_config_source(config_source)
+    if surgery_raw is None:
+        run_merge(merge_config or MergeConfiguration.model_validate(merge_part), out_path, options, config_source)
         return None
+    merge_config = check_merge_config(merge_part, options, merge_config)
+    surgery = _surgery_block(surgery_raw)
     settings = RunSettings.resolve(surgery, options)
     # a typo costs seconds, not a 70B merge
-    texts = check_before_merge(surgery, merge_config, settings, out_path=out_path)
+    texts = check_before_merge(surgery, merge_config, settings, out_path=out_path, options=options)
     earlier = describe_earlier_result(out_path)
     if earlier:
         say(f"{out_path} holds {earlier}; it is replaced when this run has finished (and kept if it fails)")
@@ -112,22 +122,28 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
     stage = StagedOutput(out_path)
     try:
         run_merge(merge_config, stage.path, options, config_source)
-    except BaseException:
+    except BaseException as error:
         stage.discard()
+        failed = io_error(error, f"merge (staged for {out_path}, which is unchanged)")
+        if failed is not None:  # a full disk: mergekit's raw SafetensorError/OSError as one line
+            raise failed from None
         raise
     if not settings.quiet:
         say(f"merge written (staged for {out_path}); running {surgery.method} surgery on "
             f"{len(surgery.domains)} domain(s)")
     try:
         report = repair_directory(stage.path, surgery, settings, texts=texts)
-    except BaseException:
+    except BaseException as error:
         kept = stage.keep_plain_merge()
-        if kept == os.path.abspath(out_path):
+        if kept == os.path.realpath(out_path):
             LOG.error("Surgery failed; %s is left as the plain merged model. Fix the cause and run "
                       "`mergekit-darts surgery CONFIG %s` to repair it without merging again.", out_path, out_path)
         elif kept:
             LOG.error("Surgery failed; %s is unchanged. The new plain merge is kept at %s: repair it with "
                       "`mergekit-darts surgery CONFIG %s` and move it into place, or delete it.", out_path, kept, kept)
+        failed = io_error(error, "surgery")
+        if failed is not None:
+            raise failed from None
         raise
     stage.commit()
     return report
@@ -167,7 +183,13 @@ def run_surgery(
         raise SurgeryConfigError(f"{out_path}: not a merged model directory (no config.json); run the merge first")
     settings = RunSettings.resolve(surgery, options, progress)
     texts = check_surgery(surgery, out_path, settings)
-    return repair_directory(out_path, surgery, settings, texts=texts)
+    try:
+        return repair_directory(out_path, surgery, settings, texts=texts)
+    except Exception as error:  # e.g. a full disk during the export, which leaves out_path as it was
+        failed = io_error(error, f"surgery ({out_path} is left as it was)")
+        if failed is not None:
+            raise failed from None
+        raise
 
 
 # ---------------------------------------------------------------------------------------------- steps
@@ -218,18 +240,6 @@ def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
     return default
 
 
-def check_finite_capture(captured, surgery: SurgeryConfig, settings: RunSettings) -> None:
-    """NaN/inf hidden states (an expert that overflows in the capture dtype) would train a NaN module."""
-    for name, data in captured.domains.items():
-        for what, tensor in (("merged model's", data.merged_hidden), ("expert's", data.expert_hidden),
-                             ("expert's entropy", data.expert_entropy)):
-            if not bool(torch.isfinite(tensor).all()):
-                raise SurgeryConfigError(
-                    f"surgery.domains.{name}: the {what} captured states hold NaN/inf (dtype {settings.dtype}); "
-                    f"check the model {surgery.domains[name].model!r} or capture with dtype: float32"
-                )
-
-
 def capture_context(out_path: str, surgery: SurgeryConfig, settings: RunSettings):
     """The one capture context of a run: every model load (domains, router_eval, depth) goes through it."""
     from mergekit_darts.repair.capture.context import CaptureContext
@@ -248,11 +258,18 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
     from mergekit_darts.repair.capture.calibration import apply_chat_template, load_calibration_texts
     from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_domains
 
+    from mergekit_darts.finite_states import check_finite_capture
+    from mergekit_darts.preflight import truncate_texts
+
     ctx = ctx or capture_context(out_path, surgery, settings)
+    if texts is None:
+        texts = {name: load_calibration_texts(domain.calibration, settings.seed, f"surgery.domains.{name}.calibration")
+                 for name, domain in surgery.domains.items()}
+    texts = truncate_texts(surgery, texts, ctx.tokenizer)  # a no-op for texts the pre-merge checks cut already
     specs = []
     for name, domain in surgery.domains.items():
         where = f"surgery.domains.{name}.calibration"
-        domain_texts = texts[name] if texts is not None else load_calibration_texts(domain.calibration, settings.seed, where)
+        domain_texts = texts[name]
         if domain.calibration.chat_template:
             domain_texts = apply_chat_template(domain_texts, ctx.tokenizer, where=f"{where}.chat_template")
         specs.append(DomainCaptureSpec(name=name, expert=domain.model, texts=domain_texts,
@@ -262,7 +279,7 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
                                        sample_seed=settings.seed,
                                        add_special_tokens=not domain.calibration.chat_template))
     captured = capture_domains(ctx, specs)
-    check_finite_capture(captured, surgery, settings)
+    check_finite_capture(captured, surgery, settings, out_path)
     if surgery.depth:
         from mergekit_darts.repair.capture.block_inputs import capture_block_inputs
 

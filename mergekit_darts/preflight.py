@@ -1,19 +1,54 @@
 """Checks that need no training, run before mergekit starts: a typo must cost seconds, not a merge.
 
-Calibration sources are loaded (file exists, field exists, enough records) and every expert's config
-is compared with the model the merge will produce (hidden size, vocabulary, architecture).
+mergekit's own validation comes first (schema, merge method, the models' architectures); then the
+output folder (writable, switchable, none of the inputs), the calibration sources (file exists,
+field exists, enough records, texts that tokenize), every expert's config and tokenizer against the
+model the merge will produce, the chat template and the split sizes that lr choice and early
+stopping need (docs/reliability.md lists them).
 """
 
 import logging
-import os
-import tempfile
 from typing import Dict, List, Optional
 
-from mergekit_darts.config import SurgeryConfig, SurgeryConfigError
-from mergekit_darts.errors import DeviceError, FormatError
+from mergekit_darts.config import SurgeryConfig, SurgeryConfigError, _format_error
+from mergekit_darts.errors import DeviceError, FormatError, MergeConfigError, first_line
+from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
+                                               surgery_inputs)
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
+
+
+def merge_config_error(error: BaseException) -> MergeConfigError:
+    """mergekit's refusal of its part of the config, as one line naming the field where it can."""
+    from pydantic import ValidationError
+
+    if isinstance(error, ValidationError):
+        return MergeConfigError(_format_error(error, "config"))
+    return MergeConfigError(f"config: mergekit refuses the merge part: {first_line(error)}")
+
+
+def check_merge_config(merge_part: dict, options, merge_config=None):
+    """mergekit's own validation before anything of ours: its schema (``models``/``slices``), the merge
+    method, and the referenced models' architectures. Returns the MergeConfiguration."""
+    from mergekit import merge_methods
+    from mergekit.architecture import get_architecture_info
+    from mergekit.config import MergeConfiguration
+
+    try:
+        if merge_config is None:
+            merge_config = MergeConfiguration.model_validate(merge_part)
+    except Exception as error:  # noqa: BLE001 - pydantic errors and mergekit's RuntimeErrors alike
+        raise merge_config_error(error) from None
+    names = sorted(method.spec.name for method in merge_methods.registered_methods())
+    if merge_config.merge_method not in names:
+        raise MergeConfigError(f"config.merge_method: mergekit has no merge method {merge_config.merge_method!r}; "
+                               f"choose one of {', '.join(names)}")
+    try:
+        get_architecture_info(merge_config, options)
+    except Exception as error:  # noqa: BLE001 - a model mergekit cannot read, mixed architectures, ...
+        raise merge_config_error(error) from None
+    return merge_config
 
 
 def _load_config(path: str, where: str, trust_remote_code: bool):
@@ -56,6 +91,11 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
                 f"surgery.{field}: {getattr(surgery, field)} exceeds the merged model's hidden size {hidden}; "
                 "a rank above the hidden size adds parameters but no capacity"
             )
+    layers = getattr(reference, "num_hidden_layers", None)
+    if isinstance(layers, int) and surgery.depth > layers:
+        raise SurgeryConfigError(
+            f"surgery.depth: {surgery.depth} exceeds the merged model's {layers} decoder layers ({reference_name}); "
+            f"use at most depth: {layers}")
     if surgery.max_positions > getattr(reference, "max_position_embeddings", surgery.max_positions):
         LOG.warning("surgery.max_positions=%d exceeds the model's max_position_embeddings=%d",
                     surgery.max_positions, reference.max_position_embeddings)
@@ -100,27 +140,6 @@ def check_device(settings: RunSettings) -> None:
         raise DeviceError(f"{where}: 'mps' was requested but MPS is not available; use device: auto or cpu")
 
 
-def check_output_writable(out_path: str, where: str = "output directory") -> None:
-    """``out_path`` (if it exists) and the folder it is created in accept a new file: a real write probe,
-    since ``os.access`` answers yes to root on a read-only mount point's permissions."""
-    path = os.path.abspath(out_path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise SurgeryConfigError(f"{where} {out_path!r}: exists and is not a directory")
-    parent = os.path.dirname(path)
-    while parent and not os.path.isdir(parent):
-        parent = os.path.dirname(parent)
-    for folder in ([path] if os.path.isdir(path) else []) + [parent]:
-        try:
-            handle, probe = tempfile.mkstemp(prefix=".darts-write-probe-", dir=folder)
-            os.close(handle)
-            os.remove(probe)
-        except OSError as error:
-            raise SurgeryConfigError(
-                f"{where} {out_path!r}: cannot write into {folder!r} ({error.strerror or error}); choose a "
-                "writable output directory"
-            ) from None
-
-
 def _load_tokenizer(path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
@@ -131,11 +150,11 @@ def _load_tokenizer(path: str, trust_remote_code: bool):
         return None
 
 
-def check_tokenizers(surgery: SurgeryConfig, reference_path: str, trust_remote_code: bool):
+def check_tokenizers(surgery: SurgeryConfig, reference_path: str, trust_remote_code: bool, reference=None):
     """The merged model's tokenizer (the base model's, as mergekit copies it) against each expert's:
     surgery compares hidden states token by token, so a different vocabulary makes the targets
     meaningless. Returns the reference tokenizer (or None when it cannot be loaded)."""
-    reference = _load_tokenizer(reference_path, trust_remote_code)
+    reference = reference if reference is not None else _load_tokenizer(reference_path, trust_remote_code)
     if reference is None:
         return None
     vocab = reference.get_vocab()
@@ -154,8 +173,11 @@ def check_tokenizers(surgery: SurgeryConfig, reference_path: str, trust_remote_c
     return reference
 
 
-def check_texts_usable(texts: Dict[str, List[str]], tokenizer) -> None:
-    """Each domain keeps at least one text that is not empty/null and encodes to at least one token."""
+def check_texts_usable(texts: Dict[str, List[str]], tokenizer,
+                       add_special_tokens: Optional[Dict[str, bool]] = None) -> Dict[str, int]:
+    """Each domain keeps at least one text that is not empty/null and has a token that is not a special
+    one (``<unk>``, BOS, ...): what capture keeps. Returns the usable prompts per domain."""
+    usable_counts = {}
     for name, domain_texts in texts.items():
         where = f"surgery.domains.{name}.calibration"
         non_empty = [text for text in domain_texts if isinstance(text, str) and text.strip()]
@@ -167,41 +189,128 @@ def check_texts_usable(texts: Dict[str, List[str]], tokenizer) -> None:
         if len(non_empty) < len(domain_texts):
             LOG.warning("%s: %d of %d sampled texts are empty or null; they are skipped", where,
                         len(domain_texts) - len(non_empty), len(domain_texts))
+        usable_counts[name] = len(non_empty)
         if tokenizer is None:
             continue
-        encodable = 0
+        special = set(tokenizer.all_special_ids)
+        special_tokens = (add_special_tokens or {}).get(name, True)
+        usable = 0
         for text in non_empty:
             try:
-                encodable += bool(tokenizer(text, add_special_tokens=False)["input_ids"])
+                ids = tokenizer(text, add_special_tokens=special_tokens)["input_ids"]
             except Exception:  # noqa: BLE001 - e.g. lone surrogates the Rust tokenizer refuses
                 continue
-        if encodable == 0:
+            usable += any(token not in special for token in ids)
+        if usable == 0:
             raise SurgeryConfigError(
-                f"{where}: none of the {len(non_empty)} texts encodes to a token with the merged model's "
-                "tokenizer (unencodable characters?); check the calibration data"
+                f"{where}: none of the {len(non_empty)} texts has a token the merged model's tokenizer knows (all "
+                "unencodable or out of vocabulary: only special tokens such as <unk>); check the calibration data"
             )
+        usable_counts[name] = usable
+    return usable_counts
 
 
-def warn_expert_is_output(surgery: SurgeryConfig, out_path: Optional[str]) -> None:
-    if out_path is None:
+def _split_sizes(prompts: int, share: float):
+    held = int(round(share * prompts)) if share > 0 and prompts >= 2 else 0
+    held = min(held, prompts - 1)
+    return prompts - held, held
+
+
+def check_selection_prompts(surgery: SurgeryConfig, prompts: Dict[str, int]) -> None:
+    """``lr_candidates`` / ``early_stopping`` choose on validation prompts split off the training ones
+    (repair.train.split.split_rows): each domain needs at least one, or training would fail after the merge."""
+    candidates = len(surgery.lr_candidates or ()) > 1
+    if not (surgery.early_stopping or candidates):
         return
-    target = os.path.realpath(out_path)
-    for name, domain in surgery.domains.items():
-        if os.path.realpath(domain.model) == target:
-            LOG.warning(
-                "surgery.domains.%s.model is the output directory %s itself: the expert is the model this run "
-                "replaces (its previous contents), which is rarely intended", name, out_path)
+    key = "early_stopping" if surgery.early_stopping else "lr_candidates"
+    for name, count in prompts.items():
+        train, _ = _split_sizes(count, surgery.held_out)
+        _, validation = _split_sizes(train, surgery.validation)
+        if validation == 0:
+            raise SurgeryConfigError(
+                f"surgery.{key}: domain {name} has {count} usable calibration prompt(s), {train} for training after "
+                f"held_out={surgery.held_out:g}, and validation={surgery.validation:g} of them is no prompt to "
+                f"choose on; give more samples, raise surgery.validation, or remove {key}")
+
+
+def check_chat_templates(surgery: SurgeryConfig, texts: Dict[str, List[str]], tokenizer,
+                         template_from_merge: bool = False) -> Dict[str, List[str]]:
+    """``chat_template: true`` needs a tokenizer with a chat template: rendered now with the merged
+    model's tokenizer (the base model's, which mergekit copies), so a missing or failing template
+    stops the run before the merge. Returns the texts as capture will tokenize them."""
+    from mergekit_darts.repair.capture.calibration import apply_chat_template
+
+    rendered = dict(texts)
+    sources = [(f"surgery.domains.{name}.calibration", domain.calibration, name)
+               for name, domain in surgery.domains.items()]
+    if surgery.router_eval is not None:
+        sources.append(("surgery.router_eval", surgery.router_eval, None))
+    for where, calibration, name in sources:
+        if not calibration.chat_template or tokenizer is None or template_from_merge:
+            continue
+        sample = texts[name] if name is not None else ["a prompt"]
+        try:
+            wrapped = apply_chat_template(sample, tokenizer, where=f"{where}.chat_template")
+        except SurgeryConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a template that fails to render (jinja errors, ...)
+            raise SurgeryConfigError(f"{where}.chat_template: the merged model's chat template fails to render "
+                                     f"({first_line(error)}); set chat_template: false or fix the template") from None
+        if name is not None:
+            rendered[name] = wrapped
+    return rendered
+
+
+def truncate_texts(surgery: SurgeryConfig, texts: Dict[str, List[str]], tokenizer) -> Dict[str, List[str]]:
+    """Each text cut to what max_positions can use, before the first tokenization (calibration_text)."""
+    from mergekit_darts.calibration_text import longest_token_chars, truncate_for_positions
+
+    per_token = longest_token_chars(tokenizer)
+    out = {}
+    for name, domain_texts in texts.items():
+        out[name], cut = truncate_for_positions(domain_texts, surgery.max_positions, token_chars=per_token)
+        if cut:
+            LOG.info("surgery.domains.%s.calibration: %d text(s) longer than max_positions=%d can use were cut "
+                     "before tokenizing", name, cut, surgery.max_positions)
+    return out
+
+
+def _merged_tokenizer(merge_config, options, base_path: str, trust_remote_code: bool):
+    """The tokenizer the merge will have (mergekit copies the base model's): None when a tokenizer:
+    block changes it (capture checks it then). Its absence is an error: surgery tokenizes with it."""
+    if getattr(merge_config, "tokenizer", None) or getattr(merge_config, "tokenizer_source", None):
+        return None
+    if options is not None and getattr(options, "copy_tokenizer", True) is False:
+        raise SurgeryConfigError("surgery: --no-copy-tokenizer leaves the merge without a tokenizer, which surgery "
+                                 "tokenizes its calibration texts with; drop --no-copy-tokenizer")
+    tokenizer = _load_tokenizer(base_path, trust_remote_code)
+    if tokenizer is None:
+        raise SurgeryConfigError(
+            f"base_model: no tokenizer can be loaded from {base_path!r}; mergekit copies the base model's tokenizer "
+            "into the merge and surgery tokenizes with it: add its tokenizer files, or set tokenizer_source")
+    return tokenizer
+
+
+def _check_texts(surgery: SurgeryConfig, texts, tokenizer, template_from_merge: bool = False):
+    """Truncation, chat templates, usable tokens and split sizes; returns the (cut) texts for capture."""
+    texts = truncate_texts(surgery, texts, tokenizer)
+    rendered = check_chat_templates(surgery, texts, tokenizer, template_from_merge)
+    plain = {name: not domain.calibration.chat_template for name, domain in surgery.domains.items()}
+    check_selection_prompts(surgery, check_texts_usable(rendered, tokenizer, plain))
+    return texts
 
 
 def check_before_merge(surgery: SurgeryConfig, merge_config, settings: RunSettings,
-                       out_path: Optional[str] = None) -> Dict[str, List[str]]:
-    """Everything checkable before ``run_merge``: device, output folder, calibration data, expert
-    configs and tokenizers. Returns the calibration texts per domain (before any chat template)."""
+                       out_path: Optional[str] = None, options=None) -> Dict[str, List[str]]:
+    """Everything checkable before ``run_merge`` (after ``check_merge_config``): device, output folder,
+    calibration data, expert configs and tokenizers, chat templates, split sizes. Returns the
+    calibration texts per domain (before any chat template), cut to what max_positions can use."""
     trust_remote_code = settings.trust_remote_code
     check_device(settings)
     if out_path is not None:
         check_output_writable(out_path)
-        warn_expert_is_output(surgery, out_path)
+        inputs = {**merge_inputs(merge_config), **surgery_inputs(surgery)}  # the surgery field names win
+        check_not_an_input(out_path, [(field, path) for path, field in inputs.items()])
     texts = _check_calibration(surgery, settings.seed)
     base = merge_config.base_model
     if base is None:
@@ -210,22 +319,28 @@ def check_before_merge(surgery: SurgeryConfig, merge_config, settings: RunSettin
             raise SurgeryConfigError("config: the merge references no models")
         base = models[0]
     reference = _load_config(str(base.model.path), "base_model", trust_remote_code)
+    tokenizer = _merged_tokenizer(merge_config, options, str(base.model.path), trust_remote_code)
     # a tokenizer: / tokenizer_source: block can change the merged vocabulary: capture checks it then
-    vocab_changes = bool(getattr(merge_config, "tokenizer", None) or getattr(merge_config, "tokenizer_source", None))
+    vocab_changes = tokenizer is None
     _check_experts(surgery, reference, str(base.model.path), trust_remote_code, check_vocab=not vocab_changes)
-    tokenizer = None if vocab_changes else check_tokenizers(surgery, str(base.model.path), trust_remote_code)
-    check_texts_usable(texts, tokenizer)
-    return texts
+    if not vocab_changes:
+        check_tokenizers(surgery, str(base.model.path), trust_remote_code, reference=tokenizer)
+    return _check_texts(surgery, texts, tokenizer, template_from_merge=bool(merge_config.chat_template))
 
 
 def check_surgery(surgery: SurgeryConfig, merged_config_path: str, settings: RunSettings) -> Dict[str, List[str]]:
-    """The same checks against an existing merged directory (surgery-only runs)."""
+    """The same checks against an existing merged directory (surgery-only runs, in place)."""
     trust_remote_code = settings.trust_remote_code
     check_device(settings)
-    check_output_writable(merged_config_path, where="merged model directory")
+    check_output_writable(merged_config_path, where="merged model directory", switched_in=False)
+    check_not_an_input(merged_config_path, [(field, path) for path, field in surgery_inputs(surgery).items()
+                                            if not field.endswith("cache_dir")],
+                       where="merged model directory", replaced_whole=False)
     texts = _check_calibration(surgery, settings.seed)
     reference = _load_config(merged_config_path, "merged model", trust_remote_code)
     _check_experts(surgery, reference, merged_config_path, trust_remote_code)
-    check_texts_usable(texts, check_tokenizers(surgery, merged_config_path, trust_remote_code))
-    return texts
-
+    tokenizer = check_tokenizers(surgery, merged_config_path, trust_remote_code)
+    if tokenizer is None:
+        raise SurgeryConfigError(f"merged model directory {merged_config_path!r}: no tokenizer can be loaded from "
+                                 "it; surgery tokenizes with the merged model's tokenizer: copy the base model's in")
+    return _check_texts(surgery, texts, tokenizer)

@@ -39,7 +39,9 @@ def test_json_list_of_objects(tmp_path):
 def test_txt_one_per_line_skips_blank_lines(tmp_path):
     path = tmp_path / "cal.txt"
     path.write_text("first sample\n\nsecond sample\nthird\n")
-    assert load(path=str(path), field="ignored for txt") == ["first sample", "second sample", "third"]
+    assert load(path=str(path)) == ["first sample", "second sample", "third"]
+    with pytest.raises(ValueError, match="'field' is not read for a .txt path"):  # it would be ignored: an error
+        load(path=str(path), field="question")
 
 
 def test_txt_blank_line_separated(tmp_path):

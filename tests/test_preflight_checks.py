@@ -106,14 +106,20 @@ def test_domain_names_that_nn_moduledict_refuses(tiny_family, tmp_path, name):
         torch.nn.ModuleDict({name: torch.nn.Linear(1, 1)})
 
 
+def _with_expert(source: str, old: str, new: str) -> str:
+    """``source`` with the surgery block's expert ``old`` replaced (the merge part keeps its models)."""
+    merge, surgery = source.split("surgery:\n")
+    return merge + "surgery:\n" + surgery.replace(f"model: {old}", f"model: {new}")
+
+
 def test_expert_of_another_architecture(tiny_family, odd_experts, tmp_path):
-    source = _block(tiny_family, tmp_path).replace(f"model: {tiny_family['code']}", f"model: {odd_experts['mistral']}")
+    source = _with_expert(_block(tiny_family, tmp_path), tiny_family["code"], odd_experts["mistral"])
     message = _fails_before_merge(source, tmp_path / "out")
     assert message.startswith("surgery.domains.code.model") and "MistralForCausalLM" in message
 
 
 def test_expert_with_another_tokenizer(tiny_family, odd_experts, tmp_path):
-    source = _block(tiny_family, tmp_path).replace(f"model: {tiny_family['code']}", f"model: {odd_experts['shuffled']}")
+    source = _with_expert(_block(tiny_family, tmp_path), tiny_family["code"], odd_experts["shuffled"])
     message = _fails_before_merge(source, tmp_path / "out")
     assert message.startswith("surgery.domains.code.model") and "tokenizer" in message
 
@@ -152,20 +158,218 @@ def test_read_only_output_directory(tiny_family, tmp_path):
     assert message.startswith("output directory") and str(read_only) in message and not out.exists()
 
 
-def test_expert_that_is_the_output_directory_warns(tiny_family, tmp_path, caplog):
+def _digest(path) -> dict:
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(p): p.read_bytes() for p in files}
+
+
+def _refused_before_merge(source: str, out, watched) -> str:
+    """The run's error; asserts mergekit was never called and ``watched`` (an input) is byte for byte
+    as it was."""
+    from mergekit_darts.pipeline import merge_and_repair
+
+    before = _digest(watched)
+    calls = []
+    with pytest.raises(DartsError) as info:
+        merge_and_repair(source, str(out), lambda *args: calls.append(args))
+    assert calls == [] and _digest(watched) == before
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+@pytest.fixture
+def family_copy(tiny_family, tmp_path):
+    """The family's base, math and code models copied into tmp_path/models (tests point outputs at them)."""
+    import shutil
+
+    root = tmp_path / "models"
+    paths = {name: str(shutil.copytree(tiny_family[name], root / name)) for name in ("base", "math", "code")}
+    return paths
+
+
+@pytest.mark.parametrize("target", ["base by relative path", "base by symlink", "expert", "expert by symlink",
+                                    "parent of the calibration file", "parent of the cache"])
+def test_output_that_is_an_input_is_refused(family_copy, tmp_path, monkeypatch, target):
+    """Issue 25 item 1: writing over base_model replaced it silently, over an expert after one warning."""
+    paths = family_copy
+    calibration = tmp_path / "data" / "math.txt"
+    calibration.parent.mkdir()
+    calibration.write_text("what is 3 plus 4 ?\nhow many apples are left ?\n")
+    domains = ["    math:", f"      model: {paths['math']}", f"      calibration: {{path: {calibration}}}"]
+    source = _block(paths, tmp_path, domains_yaml=domains)
+    monkeypatch.chdir(tmp_path)
+    if target == "base by relative path":
+        out, watched, field = "models/./base", paths["base"], "base_model"
+    elif target == "base by symlink":
+        os.symlink(paths["base"], tmp_path / "link")
+        out, watched, field = tmp_path / "link", paths["base"], "base_model"
+    elif target == "expert":
+        out, watched, field = paths["math"], paths["math"], "surgery.domains.math.model"
+    elif target == "expert by symlink":
+        os.symlink(paths["math"], tmp_path / "link")
+        out, watched, field = "link", paths["math"], "surgery.domains.math.model"
+    elif target == "parent of the calibration file":
+        out, watched, field = tmp_path / "data", calibration, "surgery.domains.math.calibration.path"
+    else:  # the capture cache would be deleted with the folder's old contents
+        (tmp_path / "runs").mkdir()
+        (tmp_path / "runs" / "notes.txt").write_text("kept")
+        source = source.replace(f"cache_dir: {tmp_path / 'cache'}", f"cache_dir: {tmp_path / 'runs' / 'cache'}")
+        out, watched, field = tmp_path / "runs", tmp_path / "runs", "surgery.cache_dir"
+    message = _refused_before_merge(source, out, watched)
+    assert message.startswith("output directory") and field in message and "choose another output" in message
+
+
+def test_expert_that_is_the_merged_directory_is_refused_in_place(family_copy, tmp_path):
+    from mergekit_darts.pipeline import run_surgery
+
+    source = _block(family_copy, tmp_path)
+    before = _digest(family_copy["code"])
+    with pytest.raises(DartsError, match=r"merged model directory .* is surgery.domains.code.model"):
+        run_surgery(source, family_copy["code"])
+    assert _digest(family_copy["code"]) == before
+
+
+def test_output_on_a_mount_point_is_refused(tiny_family, tmp_path, monkeypatch):
+    """A mount point cannot be swapped with its staging sibling: refused before the merge, not after it
+    (mounting needs privileges a test does not have: os.path.ismount answers for the folder)."""
+    out = tmp_path / "mnt"
+    out.mkdir()
+    (out / "keep.txt").write_text("the mount's own file")
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: str(path) == str(out) or real_ismount(path))
+    message = _refused_before_merge(_block(tiny_family, tmp_path), out, out)
+    assert message.startswith("output directory") and "mount point" in message and "inside it" in message
+
+
+@pytest.fixture(scope="module")
+def odd_bases(tiny_family, tmp_path_factory):
+    """The family's base without its chat template, and without any tokenizer files."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("bases")
+    plain = shutil.copytree(tiny_family["base"], root / "no-chat-template")
+    (plain / "chat_template.jinja").unlink()
+    bare = shutil.copytree(tiny_family["base"], root / "no-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (bare / name).unlink()
+    renamed = {}
+    for name in ("base", "math", "code"):  # a family whose architecture mergekit merges but Darts does not wrap
+        renamed[name] = str(shutil.copytree(tiny_family[name], root / "starcoder2" / name))
+        config = json.loads((Path(renamed[name]) / "config.json").read_text())
+        (Path(renamed[name]) / "config.json").write_text(json.dumps({**config, "architectures": ["Starcoder2ForCausalLM"]}))
+    return {"no chat template": str(plain), "no tokenizer": str(bare), "unwrapped architecture": renamed}
+
+
+def _records(tmp_path, values, name="records.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps({"question": value}) + "\n" for value in values))
+    return path
+
+
+LATE_FAILURES = {  # issue 25 item 6 (and 2, 11): each used to pass these checks and fail after the merge, or never
+    "near-miss key surgey": (lambda s, p, t, b: s.replace("surgery:\n", "surgey:\n"), "config: top-level key 'surgey'"),
+    "near-miss key Surgery": (lambda s, p, t, b: s.replace("surgery:\n", "Surgery:\n"), "config: top-level key 'Surgery'"),
+    "empty surgery block": (lambda s, p, t, b: merge_yaml(p) + "surgery:\n", "surgery: the block is empty"),
+    "list field value": (lambda s, p, t, b: _one_domain(s, p, f"{{path: {_records(t, [['a', 'b'], 'x'])}, field: question}}"),
+                         "surgery.domains.math.calibration.field: record 1"),
+    "integer field value": (lambda s, p, t, b: _one_domain(s, p, f"{{path: {_records(t, ['what is 3', 42])}, field: question}}"),
+                            "surgery.domains.math.calibration.field: record 2"),
+    "template attribute access": (
+        lambda s, p, t, b: _one_domain(s, p, f"{{path: {_records(t, ['x'])}, template: '{{question.__class__.__mro__}}'}}"),
+        "surgery.domains.math.calibration.template: placeholder {question.__class__.__mro__} is not a plain"),
+    "template format spec": (
+        lambda s, p, t, b: _one_domain(s, p, f"{{path: {_records(t, ['x'])}, template: '{{question:>1000000000000}}'}}"),
+        "surgery.domains.math.calibration.template: placeholder {question:>1000000000000} is not a plain"),
+    "calibration path is a directory": (lambda s, p, t, b: _one_domain(s, p, f"{{path: {t}}}"), "is a directory"),
+    "all texts out of vocabulary": (lambda s, p, t, b: _one_domain(s, p, "{texts: ['zzz qqq', 'xyzzy plugh']}"),
+                                    "surgery.domains.math.calibration: none of the 2 texts has a token"),
+    "chat_template on a tokenizer without one": (
+        lambda s, p, t, b: _one_domain(s.replace(p["base"], b["no chat template"]), p,
+                                       "{texts: ['what is 3 plus 4 ?'], chat_template: true}"),
+        "surgery.domains.math.calibration.chat_template: the merged model's tokenizer has no chat template"),
+    "base model without a tokenizer": (lambda s, p, t, b: s.replace(p["base"], b["no tokenizer"]),
+                                       "base_model: no tokenizer can be loaded"),
+    "architecture Darts does not wrap": (
+        lambda s, p, t, b: s.replace(p["base"], b["unwrapped architecture"]["base"]).replace(
+            p["math"], b["unwrapped architecture"]["math"]).replace(p["code"], b["unwrapped architecture"]["code"]),
+        "surgery: the merged model"),
+    "depth beyond the layer count": (lambda s, p, t, b: s.replace("  domains:", "  depth: 3\n  domains:"),
+                                     "surgery.depth: 3 exceeds the merged model's 2 decoder layers"),
+    "lr 1e30": (lambda s, p, t, b: s.replace("lr: 0.01", "lr: 1.0e30"), "surgery.lr: Input should be less than"),
+    "lr_candidates with too few prompts": (
+        lambda s, p, t, b: s.replace("lr: 0.01", "lr_candidates: [0.01, 0.1]"), "surgery.lr_candidates: domain math has 2"),
+    "early_stopping with too few prompts": (
+        lambda s, p, t, b: s.replace("  domains:", "  early_stopping: true\n  domains:"), "surgery.early_stopping: domain"),
+    # mergekit's own validation runs first: a surgery error (rank 0) in the same file is not the one reported
+    "merge_method nonsense": (lambda s, p, t, b: s.replace("task_arithmetic", "nonsense").replace("rank: 4", "rank: 0"),
+                              "config.merge_method: mergekit has no merge method 'nonsense'; choose one of"),
+    "no models": (lambda s, p, t, b: "\n".join(line for line in s.splitlines() if not line.startswith(("models:", "  - model", "    param"))) + "\n",
+                  "config: mergekit refuses the merge part: Exactly one of 'models', 'slices', or 'modules'"),
+}
+
+
+def _one_domain(source, paths, calibration):
+    """``source`` with a single math domain calibrated by ``calibration`` (YAML flow mapping)."""
+    head = source.split("  domains:")[0]
+    return head + f"  domains:\n    math:\n      model: {paths['math']}\n      calibration: {calibration}\n"
+
+
+@pytest.mark.parametrize("case", list(LATE_FAILURES))
+def test_late_failures_are_checked_before_merge(tiny_family, odd_bases, tmp_path, case):
+    edit, expected = LATE_FAILURES[case]
+    message = _fails_before_merge(edit(_block(tiny_family, tmp_path), tiny_family, tmp_path, odd_bases), tmp_path / "out")
+    assert message.startswith(expected) or expected in message, message
+
+
+def test_huge_single_line_text_is_cut_before_tokenizing(tiny_family, tmp_path):
+    """Issue 25 item 9: a 30 MB single-line record took minutes and GBs per tokenization; only what
+    max_positions can use is tokenized, and the tokens capture keeps are the same."""
     from mergekit.config import MergeConfiguration
+    from transformers import AutoTokenizer
 
     from mergekit_darts.pipeline import parse_config_source
     from mergekit_darts.preflight import check_before_merge
     from mergekit_darts.settings import RunSettings
 
-    merge_part, surgery = parse_config_source(_block(tiny_family, tmp_path))
-    with caplog.at_level(logging.WARNING, logger="mergekit_darts.preflight"):
-        check_before_merge(surgery, MergeConfiguration.model_validate(merge_part), RunSettings.resolve(surgery),
-                           out_path=tiny_family["code"])
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("surgery.domains.code.model" in w and "output directory" in w for w in warnings), warnings
-    assert not any("surgery.domains.math.model" in w for w in warnings)
+    line = "what is 3 plus 4 ? " * 1_600_000  # ~30 MB, one line
+    path = tmp_path / "huge.txt"
+    path.write_text(line + "\nhow many apples are left ?\n")
+    source = _one_domain(_block(tiny_family, tmp_path), tiny_family, f"{{path: {path}}}")
+    merge_part, surgery = parse_config_source(source)
+    texts = check_before_merge(surgery, MergeConfiguration.model_validate(merge_part), RunSettings.resolve(surgery))
+    cut = next(text for text in texts["math"] if text.startswith("what"))
+    assert len(cut) < 100_000, len(cut)  # max_positions 32: a few thousand characters at most
+    tokenizer = AutoTokenizer.from_pretrained(tiny_family["base"])
+    ids = tokenizer(cut)["input_ids"]
+    assert len(ids) > surgery.max_positions  # still counted as truncated by capture
+    assert ids[:surgery.max_positions] == tokenizer(line[:100_000])["input_ids"][:surgery.max_positions]
+
+
+def test_mergekit_yaml_near_miss_and_invalid_merge_are_one_line(tiny_family, tmp_path):
+    """Through the real mergekit-yaml: a misspelled block (the hook must look at it at all) and mergekit's
+    own schema error (mergekit-yaml raises it before run_merge), each one line, nothing written. (The
+    other checks run in merge_and_repair, the same path as the CUDA case below.)"""
+    env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_DARTS_DISABLE"}
+    source = _block(tiny_family, tmp_path)
+    cases = {
+        "surgey": (source.replace("surgery:\n", "surgey:\n"), "config: top-level key 'surgey'"),
+        "no models": (LATE_FAILURES["no models"][0](source, tiny_family, tmp_path, None), "Exactly one of 'models'"),
+    }
+    running = {}
+    for name, (text, _) in cases.items():  # side by side: each run is mostly start-up (imports)
+        cfg = tmp_path / f"{name.replace(' ', '_')}.yml"
+        cfg.write_text(text)
+        out = tmp_path / f"out-{name.replace(' ', '_')}"
+        running[name] = (out, subprocess.Popen(
+            [str(BIN / "mergekit-yaml"), str(cfg), str(out)], cwd=tmp_path, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env={**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}))
+    for name, (out, process) in running.items():
+        _, stderr = process.communicate(timeout=600)
+        errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+        assert process.returncode == 2 and len(errors) == 1 and cases[name][1] in errors[0], (name, stderr[-2000:])
+        assert "Traceback" not in stderr and not out.exists(), name
+    assert not any(name.startswith(".darts-staging-") for name in os.listdir(tmp_path))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -26,15 +26,39 @@ TEXTS = ("['how many apples are left if we have 7 and give 2 ?', 'what is 3 plus
          "'each has 3 apples how many in total ?', 'take 5 from 12 then add 1', 'give 2 pears and take 3 apples']")
 
 
-def _config(paths, tmp_path, weights=(0.5, 0.5), **settings):
+def _config(paths, tmp_path, weights=(0.5, 0.5), expert=None, **settings):
     base = dict(rank=4, max_positions=32, steps=20, lr=0.01, cache_dir=str(tmp_path / "cache"), held_out=0.25,
                 device="cpu", dtype="float32")
     base.update(settings)
     merge = merge_yaml(paths).replace("weight: 0.5}", f"weight: {weights[0]}}}", 1)
     merge = merge.replace("weight: 0.5}", f"weight: {weights[1]}}}", 1)
     lines = ["surgery:"] + [f"  {k}: {v}" for k, v in base.items()] + [
-        "  domains:", "    math:", f"      model: {paths['math']}", f"      calibration: {{texts: {TEXTS}}}"]
+        "  domains:", "    math:", f"      model: {expert or paths['math']}", f"      calibration: {{texts: {TEXTS}}}"]
     return merge + "\n".join(lines) + "\n"
+
+
+def _with_nan_norm(source: str, dest) -> str:
+    """A copy of the model at ``source`` whose final norm weight is NaN: every state it computes is NaN
+    (what fails a run only after the merge, in capture)."""
+    import shutil
+
+    shutil.copytree(source, dest)
+    weights = os.path.join(dest, "model.safetensors")
+    with safe_open(weights, "pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return str(dest)
+
+
+@pytest.fixture(scope="module")
+def nan_models(tiny_family, tmp_path_factory):
+    root = tmp_path_factory.mktemp("nan")
+    return {"expert": _with_nan_norm(tiny_family["math"], root / "math"),
+            "base": _with_nan_norm(tiny_family["base"], root / "base")}
+
+
+NAN_EXPERT_ERROR = ("surgery.domains.math.model: the expert's captured states hold NaN/inf", "model.norm.weight holds NaN")
 
 
 def _digest(directory) -> dict:
@@ -52,19 +76,20 @@ def _is_plain_merge(directory) -> bool:
 
 # ------------------------------------------------------------------------------------------ data loss
 
-def test_failed_rerun_of_mergekit_yaml_leaves_the_repaired_model_as_it_was(tiny_family, merged_copy, tmp_path):
+def test_failed_rerun_of_mergekit_yaml_leaves_the_repaired_model_as_it_was(tiny_family, nan_models, merged_copy,
+                                                                          tmp_path):
     """The issue's case: a *different* merge re-run into a repaired directory fails after merging."""
     run_surgery(_config(tiny_family, tmp_path), merged_copy, progress=False)
     before = _digest(merged_copy)
     assert "darts.safetensors" in before
     cfg = tmp_path / "rerun.yml"
-    cfg.write_text(_config(tiny_family, tmp_path, weights=(0.3, 0.7), lr="1.0e30"))  # diverges in training
+    cfg.write_text(_config(tiny_family, tmp_path, weights=(0.3, 0.7), expert=nan_models["expert"]))  # fails in capture
     env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_DARTS_DISABLE"}
     result = subprocess.run([str(BIN / "mergekit-yaml"), str(cfg), merged_copy], cwd=tmp_path, capture_output=True,
                             text=True, timeout=600, env={**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and "surgery.domains.math: training diverged" in errors[0], result.stderr[-2000:]
+    assert len(errors) == 1 and all(part in errors[0] for part in NAN_EXPERT_ERROR), result.stderr[-2000:]
     assert _digest(merged_copy) == before, "the repaired directory was modified by a failed run"
     kept = glob.glob(merged_copy + ".plain-merge-*")
     assert len(kept) == 1 and _is_plain_merge(kept[0]), kept  # the new merge is not thrown away
@@ -72,13 +97,13 @@ def test_failed_rerun_of_mergekit_yaml_leaves_the_repaired_model_as_it_was(tiny_
     assert not glob.glob(os.path.join(os.path.dirname(merged_copy), ".darts-staging-*"))
 
 
-def test_failed_surgery_into_a_new_directory_leaves_a_plain_merge(tiny_family, tmp_path):
+def test_failed_surgery_into_a_new_directory_leaves_a_plain_merge(tiny_family, nan_models, tmp_path):
     from mergekit_darts.hook import original_run_merge
     from mergekit_darts.pipeline import merge_and_repair
 
     out = tmp_path / "new-out"
-    with pytest.raises(SurgeryConfigError, match="training diverged"):
-        merge_and_repair(_config(tiny_family, tmp_path, lr="1.0e30"), str(out), original_run_merge())
+    with pytest.raises(SurgeryConfigError, match=NAN_EXPERT_ERROR[0]):
+        merge_and_repair(_config(tiny_family, tmp_path, expert=nan_models["expert"]), str(out), original_run_merge())
     assert _is_plain_merge(out)
     readme = (out / "README.md").read_text()
     assert ".darts-staging" not in readme  # mergekit names the card after the directory: the final name
@@ -96,6 +121,25 @@ def test_successful_rerun_replaces_the_directory_as_a_whole(tiny_family, merged_
     assert "stale-file.txt" not in names and {"darts.safetensors", "config.json"} <= names
     assert report["domains"]["math"]["verdict"]["status"] in ("improved", "worse")
     assert not glob.glob(os.path.join(os.path.dirname(merged_copy), ".darts-staging-*"))
+
+
+def test_output_that_is_a_symlink_is_followed(tiny_family, merged_copy, tmp_path):
+    """Issue 25 item 3: the link itself used to be swapped for a real directory, its target keeping the
+    old model (exit 0). Now the target is replaced (staged beside it) and the link is left as it is."""
+    from mergekit_darts.hook import original_run_merge
+    from mergekit_darts.pipeline import merge_and_repair
+
+    link = tmp_path / "links" / "out"
+    link.parent.mkdir()
+    os.symlink(merged_copy, link)
+    (Path(merged_copy) / "stale-file.txt").write_text("from the old run")
+    merge_and_repair(_config(tiny_family, tmp_path, steps=5), str(link), original_run_merge())
+    assert link.is_symlink() and os.readlink(link) == merged_copy
+    names = set(os.listdir(merged_copy))
+    assert "darts.safetensors" in names and "stale-file.txt" not in names
+    assert json.loads((Path(merged_copy) / "config.json").read_text())["architectures"] == ["DartsLlamaForCausalLM"]
+    for folder in (link.parent, Path(merged_copy).parent):
+        assert not [n for n in os.listdir(folder) if n.startswith(".darts-staging-")]
 
 
 def test_cache_write_failure_is_a_warning_and_leaves_no_temp_file(tiny_family, merged_copy, tmp_path, monkeypatch, caplog):
@@ -133,11 +177,41 @@ def test_nan_cache_entry_is_recomputed_not_trained_on(tiny_family, merged_copy, 
     assert second["domains"]["math"]["bias"] == first["domains"]["math"]["bias"]
 
 
-def test_diverged_training_is_an_error_and_exports_nothing(tiny_family, merged_copy, tmp_path):
+def test_non_finite_expert_is_an_error_and_exports_nothing(tiny_family, nan_models, merged_copy, tmp_path):
     before = _digest(merged_copy)
-    with pytest.raises(SurgeryConfigError, match=r"surgery.domains.math: training diverged.*surgery.lr"):
-        run_surgery(_config(tiny_family, tmp_path, lr="1.0e30"), merged_copy, progress=False)
+    with pytest.raises(SurgeryConfigError) as error:
+        run_surgery(_config(tiny_family, tmp_path, expert=nan_models["expert"]), merged_copy, progress=False)
+    assert all(part in str(error.value) for part in NAN_EXPERT_ERROR) and nan_models["expert"] in str(error.value)
     assert _digest(merged_copy) == before
+
+
+def test_diverged_training_is_an_error():
+    """lr is bounded by the schema now (lr: 1e30 is refused before the merge); a correction that still
+    ends non-finite (e.g. in a low-precision dtype) stops the run before export."""
+    from mergekit_darts.config import parse_surgery_block
+    from mergekit_darts.remote_code.surgery import DomainSurgery
+    from mergekit_darts.repair.train.domain import check_finite_training
+
+    surgery = parse_surgery_block({"domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}})
+    module = DomainSurgery(8, rank=2, max_positions=4)
+    with torch.no_grad():
+        module.up.weight.fill_(float("inf"))
+    with pytest.raises(SurgeryConfigError, match=r"surgery.domains.math: training diverged.*surgery.lr"):
+        check_finite_training("math", module, torch.zeros(1, 4, 8), surgery)
+
+
+def test_nan_in_the_base_model_is_blamed_on_the_merge(tiny_family, nan_models, tmp_path):
+    """Issue 25 item 11: NaN from the base model used to be blamed on the math expert's path."""
+    from mergekit_darts.hook import original_run_merge
+    from mergekit_darts.pipeline import merge_and_repair
+
+    paths = {**tiny_family, "base": nan_models["base"]}
+    with pytest.raises(SurgeryConfigError) as error:
+        merge_and_repair(_config(paths, tmp_path), str(tmp_path / "out"), original_run_merge())
+    message = str(error.value)
+    assert message.startswith("surgery.domains.math: the merged model's captured states hold NaN/inf"), message
+    assert "in the merge, weight model.norm.weight holds NaN/inf" in message and "input models" in message
+    assert tiny_family["math"] not in message
 
 
 def test_report_with_nan_is_valid_json_with_nulls_and_a_flag(tiny_family, merged_copy, tmp_path):

@@ -44,14 +44,14 @@ FAKE = {"base": "/m/base", "math": "/m/math", "code": "/m/code"}
 
 def test_grid_expands_every_combination_with_distinct_hashes():
     spec = parse_sweep(sweep_yaml(FAKE, {"seeds": 2, "merge": [WEIGHTS], "surgery": {"variants": VARIANTS,
-                                                                                     "grid": {"head_rank": [0, 2]}}}))
+                                                                                     "grid": {"content": ["relu", "linear"]}}}))
     cells = expand(spec)
     validate(spec, cells)
     assert len(cells) == 2 * 4 * 2 and len({c.hash for c in cells}) == len(cells)
     assert len({c.merge.hash for c in cells}) == 2
-    cell = next(c for c in cells if c.merge.values == {"weight": 0.6} and c.variant.name == "darts+ewl1,head_rank=2")
+    cell = next(c for c in cells if c.merge.values == {"weight": 0.6} and c.variant.name == "darts+ewl1,content=linear")
     assert [m["parameters"]["weight"] for m in cell.merge.config["models"]] == [0.6, 0.6]
-    assert cell.surgery["method"] == "darts" and cell.surgery["head_rank"] == 2 and cell.surgery["rank"] == 4
+    assert cell.surgery["method"] == "darts" and cell.surgery["content"] == "linear" and cell.surgery["rank"] == 4
     # hashes depend on content only: parsing again gives the same cells; a changed setting changes them
     assert [c.hash for c in expand(spec)] == [c.hash for c in cells]
     changed = parse_sweep(sweep_yaml(FAKE, {"seeds": 2, "merge": [WEIGHTS], "surgery": {"variants": VARIANTS}},

@@ -44,7 +44,7 @@ class LazyGroup(click.Group):
 
     def invoke(self, ctx):
         from mergekit_darts.console import filter_third_party_noise, user_logging
-        from mergekit_darts.errors import DartsError, to_click_error
+        from mergekit_darts.errors import DartsError, one_line_error, to_click_error
 
         filter_third_party_noise()  # before a command imports torch, transformers, bitsandbytes
 
@@ -53,6 +53,11 @@ class LazyGroup(click.Group):
                 return super().invoke(ctx)
         except DartsError as error:
             raise to_click_error(error) from None
+        except Exception as error:  # noqa: BLE001 - a full disk, a loader's ValueError: one line too
+            failed = one_line_error(error, ctx.invoked_subcommand or "mergekit-darts")
+            if failed is None:
+                raise
+            raise to_click_error(failed) from None
 
 
 @click.group("mergekit-darts", cls=LazyGroup)

@@ -90,8 +90,10 @@ def eval_command(out_path: str, domain: str, tasks: str, compare_none: bool, tru
         alpaca_eval --model_outputs DIR/alpaca_outputs.<domain>.json
     """
     from mergekit_darts.evaluation.harness import EvaluationError, evaluate, results_table
+    from mergekit_darts.output.check import check_output_dir
 
     task_list = _tasks(tasks)
+    check_output_dir(out_path, darts=domain != "none", code=domain != "none" and trust_remote_code)
     domains = (["none"] if compare_none and domain != "none" else []) + [domain]
     options = _evaluate_kwargs(**kwargs)
     try:
@@ -202,9 +204,11 @@ def report_command(out_path: str, plot: Optional[bool]):
     """Print the bias table of OUT_PATH/darts_report.json; re-draw OUT_PATH/darts_bias.png if stale."""
     import os
 
+    from mergekit_darts.output.check import check_directory
     from mergekit_darts.output.layout import PLOT, REPORT
     from mergekit_darts.repair.report.table import render_report
 
+    check_directory(out_path)
     figure, report = os.path.join(out_path, PLOT), os.path.join(out_path, REPORT)
     stale = not os.path.exists(figure) or (os.path.exists(report) and os.path.getmtime(figure) < os.path.getmtime(report))
     draw = stale if plot is None else plot

@@ -82,9 +82,11 @@ def surgery_command(config_file: str, out_path: str, **options):
 def info_command(out_path: str, as_json: bool):
     """Domains, experts, parameter counts and report summary of a repaired directory OUT_PATH."""
     from mergekit_darts.cli.describe import info_lines
+    from mergekit_darts.output.check import check_output_dir
     from mergekit_darts.output.info import read_darts_info
     from mergekit_darts.repair.budget import share_of_7b
 
+    check_output_dir(out_path)  # a missing shard or a newer format: one line, before anything loads
     info = read_darts_info(out_path)
     # what these settings would add per domain to a 7B-shaped model (the paper's budget: 0.1 %)
     info["share_7b"] = share_of_7b(info)

@@ -34,7 +34,9 @@ def bake_command(out_path: str, dest: str, domain: str, drop_position_bias: bool
     DEST      a new directory (loads without trust_remote_code: vLLM, llama.cpp/GGUF conversion, ...)
     """
     from mergekit_darts.output.bake import bake
+    from mergekit_darts.output.check import check_output_dir
 
+    check_output_dir(out_path)
     summary = bake(out_path, domain, dest, drop_position_bias=drop_position_bias)
     if summary["dropped_position_bias"]:
         for line in _kl_lines(domain, summary["held_out_kl"]):
@@ -61,8 +63,10 @@ def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: b
               AutoPeftModelForCausalLM.from_pretrained("DEST/<domain>")
     """
     from mergekit_darts.output.bake import held_out_kl_note
+    from mergekit_darts.output.check import check_output_dir
     from mergekit_darts.output.peft_export import BASE_DIR, export_peft
 
+    check_output_dir(out_path)
     summaries = export_peft(out_path, dest, list(domains) or None, drop_position_bias=drop_position_bias,
                             copy_base=copy_base)
     base = summaries.pop(BASE_DIR)

@@ -21,7 +21,6 @@ AUTO_DOMAIN = "auto"  # routed per prompt by the router (docs/routing.md)
 ROUTER_NAME = "router"  # the router's tensors are darts.router.*, its settings config.darts["router"]
 RESERVED_DOMAINS = (NONE_DOMAIN, AUTO_DOMAIN, ROUTER_NAME)
 ARCH_PREFIX = "Darts"  # DartsLlamaForCausalLM wraps LlamaForCausalLM
-
 # files
 MODELING_FILES = ("modeling_darts.py", "surgery.py", "blocks.py", "routing.py", "hooks.py")  # copied from mergekit_darts/remote_code
 SINGLE_WEIGHTS = "model.safetensors"

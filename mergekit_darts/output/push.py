@@ -11,46 +11,27 @@ usual places (``HF_TOKEN``, ``hf auth login``) and the endpoint from ``HF_ENDPOI
 import os
 from typing import Dict, Optional
 
-from mergekit_darts.errors import DartsError, FormatError
+from mergekit_darts.errors import DartsError, FormatError, first_line
 from mergekit_darts.output.card import CARD_BEGIN
+from mergekit_darts.output.check import RERUN, check_directory, check_output_dir, shard_problem
 from mergekit_darts.output.layout import (
     CARD, DARTS_KEY, DARTS_SHARD, DARTS_TENSOR_PREFIX, DOMAIN_KEY, INDEX, MODELING_FILES, NONE_DOMAIN, STAGING_PREFIX,
-    read_config, read_darts_entry, read_json,
+    read_config, read_json,
 )
 
-RERUN = "rerun `mergekit-darts surgery CONFIG_FILE OUT` (or `mergekit-yaml`) to rewrite it"
 
 
 class PushError(DartsError):
     """The directory cannot be published as it is, or the Hub refused the upload."""
 
 
-def _shard_problem(path: str) -> Optional[str]:
-    """Why ``path`` is not a complete safetensors file (None when it is): header and data length."""
-    import json
-    import struct
-
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if 8 + length > size:
-                return "its header runs past the end of the file"
-            header = json.loads(handle.read(length))
-    except (OSError, struct.error, ValueError) as error:
-        return f"unreadable ({type(error).__name__}: {error})"
-    header.pop("__metadata__", None)
-    end = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if 8 + length + end > size:
-        return f"truncated ({size} bytes, the header describes {8 + length + end})"
-    return None
-
-
 def check_publishable(out_dir: str) -> Dict[str, object]:
     """Raise PushError naming the first reason ``out_dir`` is not a complete mergekit-darts output;
     return a summary ({"domains": [...], "files": N, "bytes": B}) when it is."""
-    if not os.path.isdir(out_dir):
-        raise PushError(f"{out_dir}: no such directory")
+    try:
+        check_directory(out_dir)
+    except FormatError as error:
+        raise PushError(str(error)) from None
     names = sorted(os.listdir(out_dir))
     leftovers = [n for n in names if n.startswith(STAGING_PREFIX)]
     if leftovers:
@@ -58,7 +39,7 @@ def check_publishable(out_dir: str) -> Dict[str, object]:
                         f"be half-written; {RERUN}")
     try:
         config = read_config(out_dir)
-        entry = read_darts_entry(out_dir)
+        entry = check_output_dir(out_dir, weights=False)  # shards: checked below
     except FormatError as error:
         raise PushError(f"{error}; `push` publishes mergekit-darts outputs (`hf upload` publishes anything)") from None
     domains = entry.get("domains")
@@ -77,7 +58,7 @@ def check_publishable(out_dir: str) -> Dict[str, object]:
         path = os.path.join(out_dir, shard)
         if not os.path.isfile(path):
             raise PushError(f"{out_dir}: {INDEX} names {shard}, which is missing; {RERUN}")
-        problem = _shard_problem(path)
+        problem = shard_problem(path)
         if problem:
             raise PushError(f"{os.path.join(out_dir, shard)}: {problem}; {RERUN}")
     missing_tensors = [f"{DARTS_TENSOR_PREFIX}{d}.{p}" for d in domains for p in ("down.weight", "up.weight")
@@ -121,8 +102,10 @@ def push(out_dir: str, repo_id: str, private: bool = False, token: Optional[str]
         commit = api.upload_folder(repo_id=url.repo_id, folder_path=out_dir, repo_type="model",
                                    commit_message=commit_message)
     except (HfHubHTTPError, OfflineModeIsEnabled) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise PushError(f"push {repo_id}: the Hub refused: {first}") from None
+        raise PushError(f"push {repo_id}: the Hub refused: {first_line(error)}") from None
+    except Exception as error:  # noqa: BLE001 - connection refused, DNS, TLS, timeouts: httpx/requests alike
+        raise PushError(f"push {repo_id}: cannot reach the Hub at {api.endpoint} ({type(error).__name__}: "
+                        f"{first_line(error)}); check the network, HF_ENDPOINT and any proxy, then push again") from None
     return {"url": str(url), "repo_id": url.repo_id, "commit": getattr(commit, "oid", None), **summary}
 
 

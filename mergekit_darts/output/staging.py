@@ -6,6 +6,7 @@ beside the old renamed shard and index, the old ``darts.safetensors``, report an
 and the surgery run in ``<parent>/.darts-staging-<random>/<name>`` (same file system, same base
 name: mergekit names the model card after it), and only a finished result replaces ``out``:
 
+- ``out`` a symlink: its target is staged beside and replaced; the link itself is left as it is.
 - ``out`` absent or empty: one ``rename`` (atomic).
 - ``out`` holds something: Linux ``renameat2(RENAME_EXCHANGE)`` swaps the two directories in one
   atomic step, then the old contents are deleted. Elsewhere (or where the file system refuses the
@@ -54,7 +55,8 @@ class StagedOutput:
     """A staging directory for ``out_path``; ``path`` is where mergekit and the surgery write."""
 
     def __init__(self, out_path: str):
-        self.final = os.path.abspath(out_path)
+        # a symlink is followed: its target is what gets replaced (staged beside it), the link stays
+        self.final = os.path.realpath(out_path)
         parent = os.path.dirname(self.final)
         os.makedirs(parent, exist_ok=True)
         for name in os.listdir(parent):

@@ -13,9 +13,9 @@ import logging
 import os
 import random
 import re
-import string
 from typing import Any, Dict, List, Sequence
 
+from mergekit_darts.calibration_text import field_text, render_template, template_fields
 from mergekit_darts.config import CalibrationConfig, SurgeryConfigError
 from mergekit_darts.extras import install_command
 
@@ -46,11 +46,11 @@ def load_calibration_texts(cal: CalibrationConfig, seed: int, where: str = "cali
         _check_field(records, cal.field, source, where)
 
     indices = _sample_indices(len(records), cal.samples, seed, source, where)
-    chosen = [records[i] for i in indices]
     if cal.template is not None:
-        return [_render(cal.template, record, source, where) for record in chosen]
+        template_fields(cal.template, where)  # only plain field names: nothing else is evaluated
+        return [render_template(cal.template, records[i], i + 1, source, where) for i in indices]
     field = TEXT_FIELD if text_only else cal.field
-    return [_as_text(record[field]) for record in chosen]
+    return [field_text(records[i][field], field, i + 1, source, where) for i in indices]
 
 
 def apply_chat_template(texts: Sequence[str], tokenizer, where: str = "calibration.chat_template") -> List[str]:
@@ -78,6 +78,8 @@ def apply_chat_template(texts: Sequence[str], tokenizer, where: str = "calibrati
 
 def _read_file(cal: CalibrationConfig, where: str) -> List[Dict[str, Any]]:
     path = os.path.expanduser(cal.path)
+    if os.path.isdir(path):
+        raise SurgeryConfigError(f"{where}.path: {cal.path!r} is a directory; give one file ({', '.join(FORMATS)})")
     if not os.path.isfile(path):
         raise SurgeryConfigError(
             f"{where}.path: no such file {cal.path!r} (relative paths are relative to the current "
@@ -204,32 +206,3 @@ def _sample_indices(count: int, samples: int, seed, source: str, where: str) -> 
         return list(range(count))
     # A private generator: deterministic for a seed, independent of global random state.
     return sorted(random.Random(0 if seed is None else seed).sample(range(count), samples))
-
-
-def _as_text(value) -> str:
-    # Missing values (CSV/parquet nulls) become "" and are skipped, and counted, at tokenization.
-    return "" if value is None else str(value)
-
-
-def _render(template: str, record, source: str, where: str) -> str:
-    try:
-        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-    except ValueError as error:
-        raise SurgeryConfigError(f"{where}.template: invalid template {template!r}: {error}") from None
-    for name in names:
-        root = re.split(r"[.\[]", name, maxsplit=1)[0]
-        if root == "" or root.isdigit():
-            raise SurgeryConfigError(
-                f"{where}.template: template {template!r} has a positional placeholder; name a field, "
-                f"e.g. {{{_fields(record)[0] if len(record) else 'text'}}}"
-            )
-        if root not in record:
-            raise SurgeryConfigError(
-                f"{where}.template: unknown placeholder {{{root}}} in template {template!r}; the records of "
-                f"{source} have the fields {_fields(record)} (use {{{{ and }}}} for literal braces)"
-            )
-    values = {key: _as_text(value) if value is None else value for key, value in dict(record).items()}
-    try:
-        return template.format_map(values)
-    except (KeyError, IndexError, AttributeError, ValueError, TypeError) as error:
-        raise SurgeryConfigError(f"{where}.template: cannot render template {template!r}: {error}") from None
