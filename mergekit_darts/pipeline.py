@@ -319,11 +319,13 @@ def _router_view(data):
 
 
 def _capture_router_eval(ctx, surgery: SurgeryConfig, settings: RunSettings):
+    from mergekit_darts.calibration_text import truncate_for_positions
     from mergekit_darts.repair.capture.calibration import apply_chat_template, load_calibration_texts
     from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
 
     where = "surgery.router_eval"
     texts = load_calibration_texts(surgery.router_eval, settings.seed, where)
+    texts = truncate_for_positions(texts, surgery.max_positions, ctx.tokenizer)[0]  # before tokenizing
     if surgery.router_eval.chat_template:
         texts = apply_chat_template(texts, ctx.tokenizer, where=f"{where}.chat_template")
     spec = DomainCaptureSpec(name="router_eval", expert=ctx.merged_dir, texts=texts,

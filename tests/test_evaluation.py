@@ -164,15 +164,15 @@ def test_evaluate_tiny_hf_model_offline(tmp_path, data_files):
     assert "gsm8k_darts" in table and "none" in table.splitlines()[0]
 
 
-def test_eval_command_refuses_code_execution_and_bad_tasks(tmp_path):
+def test_eval_command_refuses_code_execution_and_bad_tasks(tiny_family):
     from click.testing import CliRunner
 
     from mergekit_darts.cli.evaluate import eval_command
 
-    runner = CliRunner()
-    result = runner.invoke(eval_command, [str(tmp_path), "--domain", "none", "--tasks", "humaneval_darts"])
+    runner = CliRunner()  # a real (plain) model directory: an empty one is refused before the tasks are
+    result = runner.invoke(eval_command, [tiny_family["merged"], "--domain", "none", "--tasks", "humaneval_darts"])
     assert result.exit_code == 2 and "--allow-code-execution" in result.output
-    result = runner.invoke(eval_command, [str(tmp_path), "--domain", "none", "--tasks", "mmlu"])
+    result = runner.invoke(eval_command, [tiny_family["merged"], "--domain", "none", "--tasks", "mmlu"])
     assert result.exit_code == 2 and "unknown task" in result.output
 
 
