@@ -1,10 +1,9 @@
-"""The demo's synthetic domains (generators, scorers) and the code sandbox."""
+"""The demo's synthetic domains (generators, scorers); the code sandbox itself: tests/test_sandbox*.py."""
 
 import pytest
 
 from mergekit_darts.demo import tasks
 from mergekit_darts.demo.family import build_tokenizer
-from mergekit_darts.evaluation.sandbox import ExecutionResult, run_program
 
 
 @pytest.fixture(scope="module")
@@ -83,66 +82,3 @@ def test_tokenizer_round_trips_every_example(splits):
             ids = tok(example["text"])["input_ids"]
             assert tok.unk_token_id not in ids
             assert tok.decode(ids, skip_special_tokens=True) == example["text"]
-
-
-# ----------------------------------------------------------------------------------------- sandbox
-def test_sandbox_passes_and_fails():
-    assert run_program("def f(x):\n    return x + 1\nassert f(1) == 2\n") == ExecutionResult(True, "passed", "")
-    result = run_program("assert 1 == 2\n")
-    assert (result.passed, result.status) == (False, "failed")
-    result = run_program("def f(:\n")
-    assert (result.passed, result.status) == (False, "error") and "SyntaxError" in result.output
-    result = run_program("print('hello')\nraise ValueError('x')\n")
-    assert result.status == "error" and "hello" in result.output
-
-
-def test_sandbox_infinite_loop_times_out():
-    result = run_program("while True:\n    pass\n", timeout=1.0)
-    assert (result.passed, result.status) == (False, "timeout")
-
-
-def test_sandbox_huge_allocation_is_contained():
-    result = run_program("x = bytearray(8 * 1024 ** 3)\nassert len(x) > 0\n", memory_mb=256)
-    assert not result.passed and result.status == "error" and "MemoryError" in result.output
-    result = run_program("x = [0] * (10 ** 9)\n", memory_mb=256)
-    assert not result.passed
-
-
-def test_sandbox_file_deleting_completion_is_contained(tmp_path):
-    victim = tmp_path / "keep" / "important.txt"
-    victim.parent.mkdir()
-    victim.write_text("precious")
-    for attack in (
-        f"import os\nos.remove({str(victim)!r})",
-        f"import os\nos.unlink({str(victim)!r})",
-        f"import shutil\nshutil.rmtree({str(victim.parent)!r})",
-        f"import pathlib\npathlib.Path({str(victim)!r}).unlink()",
-        f"import posix\nposix.unlink({str(victim)!r})",
-        f"import os\nos.system('rm -rf {victim.parent}')",
-        f"import subprocess\nsubprocess.run(['rm', '-rf', {str(victim.parent)!r}])",
-    ):
-        result = run_program(attack + "\nassert True\n")
-        assert not result.passed and result.status == "error", (attack, result)
-    assert victim.read_text() == "precious"
-
-
-def test_sandbox_runs_in_a_fresh_temp_dir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    result = run_program("import os\nopen('scratch.txt', 'w').write('x')\nassert os.listdir('.') == ['scratch.txt']\n")
-    assert result.passed, result
-    assert not (tmp_path / "scratch.txt").exists()
-
-
-def test_sandbox_limits_file_size():
-    result = run_program("open('big', 'w').write('y' * (8 << 20))\n")
-    assert not result.passed
-
-
-def test_sandbox_early_exit_and_output_flood_are_not_passes():
-    from mergekit_darts.evaluation.sandbox import run_program
-
-    assert run_program("import os\nos._exit(0)\nassert False").passed is False
-    assert run_program("import posix\nposix._exit(0)").passed is False
-    flood = run_program("while True:\n    print('x' * 10000)", timeout=3)
-    assert flood.passed is False and len(flood.output) < 10_000
-    assert run_program("print('hi')\nassert 1 + 1 == 2").passed is True

@@ -1,4 +1,4 @@
-"""lm-eval tasks run offline and score known-correct / known-wrong completions; the sandbox holds."""
+"""lm-eval tasks run offline and score known-correct / known-wrong completions (the sandbox: test_sandbox*.py)."""
 
 import json
 import os
@@ -8,7 +8,6 @@ import pytest
 from mergekit_darts.evaluation.harness import (
     EvaluationError, alpaca_model_outputs, evaluate, model_args, prepare_tasks, results_table,
 )
-from mergekit_darts.evaluation.sandbox import run_program
 from mergekit_darts.evaluation.lmeval_tasks import utils  # noqa: E402
 
 GSM = [
@@ -127,20 +126,6 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
             assert utils.humaneval_process_results(doc, [bail + doc["canonical_solution"]]) == {"pass@1": 0.0}
         chatty = "    print('x' * 10000)\n" + doc["canonical_solution"]
         assert utils.humaneval_process_results(doc, [chatty]) == {"pass@1": 1.0}
-
-
-def test_sandbox_contains_loops_memory_bombs_and_deletions(tmp_path):
-    result = run_program("while True:\n    pass\n", timeout=1.0)
-    assert not result.passed and result.status == "timeout"
-    result = run_program("x = 'a' * (8 << 30)\nprint(len(x))\n", timeout=5.0, memory_mb=256)
-    assert not result.passed and "MemoryError" in result.output
-    keep = tmp_path / "keep.txt"
-    keep.write_text("precious")
-    for program in (f"import os\nos.remove({str(keep)!r})\n", f"import shutil\nshutil.rmtree({str(tmp_path)!r})\n",
-                    f"import os\nos.system('rm -f {keep}')\n", f"import subprocess\nsubprocess.run(['rm', {str(keep)!r}])\n"):
-        assert not run_program(program).passed
-        assert keep.read_text() == "precious"
-    assert run_program("import sys\nsys.exit(0)\n").passed is False  # leaving early is not passing
 
 
 def test_evaluate_tiny_hf_model_offline(tmp_path, data_files):

