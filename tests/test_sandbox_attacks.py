@@ -15,13 +15,11 @@ import textwrap
 
 import pytest
 
-from mergekit_darts.evaluation import sandbox, sandbox_run
+from sandbox_checks import RIGHT, TAG, attack, spy, watched  # noqa: F401 (watched is a fixture)
+
 from mergekit_darts.evaluation.lmeval_tasks import utils
-from mergekit_darts.evaluation.sandbox import check_function
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TAG = "darts-attack-%d" % os.getpid()
-RIGHT = "assert f(1) == 2\nassert f(5) == 6\n"  # f is wrong in every attack
 
 # reads slot 11 of the frame that last lived where ``slot()``'s frame goes: there, the audit hook of
 # the previous design had the cell holding its per-run secret
@@ -43,76 +41,6 @@ FORGE = textwrap.dedent("""\
     os.write(1, ("\\n" + _value[0]).encode())
     os._exit(0)
     """)
-
-
-def _host_files():
-    found = []
-    for root in ("/tmp", "/var/tmp", "/dev/shm"):
-        try:
-            found += [os.path.join(root, n) for n in os.listdir(root) if TAG in n]
-        except OSError:
-            pass
-    return found
-
-
-def _shm_used():
-    info = os.statvfs("/dev/shm")
-    return (info.f_blocks - info.f_bfree) * info.f_frsize
-
-
-def _live_processes_of(run):
-    """Found independently of the sandbox's own check: the run's token in the environment, its uid."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as handle:
-                marked = f"DARTS_SANDBOX_RUN={run.token}".encode() in handle.read().split(b"\0")
-            with open(f"/proc/{pid}/status") as handle:
-                uids = next(line for line in handle if line.startswith("Uid:")).split()[1:]
-        except (OSError, StopIteration):
-            continue
-        if marked or (run.uid is not None and str(run.uid) in uids):
-            found.append(int(pid))
-    return found
-
-
-@pytest.fixture
-def watched(monkeypatch):
-    """Records every run; ``watched.check()`` asserts that nothing of them remains."""
-    runs = []
-
-    class Watched(sandbox_run.Run):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            runs.append(self)
-
-    monkeypatch.setattr(sandbox, "Run", Watched)
-    shm_before = _shm_used()
-
-    def check(result):
-        assert result.survivors == 0, result
-        assert runs, "no run was made"
-        for run in runs:
-            assert _live_processes_of(run) == [], run.launch.name
-            assert run._workdir is None or not os.path.exists(run._workdir)
-        assert _host_files() == []
-        assert _shm_used() - shm_before < 4 << 20
-        return result
-
-    watched.check = check
-    return watched
-
-
-def attack(program, tests=RIGHT, **kwargs):
-    kwargs.setdefault("timeout", 5.0)
-    return check_function(program, "f", tests, check=None, **kwargs)
-
-
-def spy(tmp_path, argument="1"):
-    """Tests that keep what ``f`` returned (here, in the trusted process) and fail unless it is 2."""
-    path = str(tmp_path / "seen.json")
-    tests = f"import json\nvalue = f({argument})\nwith open({path!r}, 'w') as out:\n    json.dump(value, out)\nassert value == 2\n"
-    return tests, lambda: json.loads(open(path).read())
 
 
 # --------------------------------------------------------------------------------- forging the verdict
@@ -182,9 +110,10 @@ def test_monkey_patching_builtins_and_assertionerror_is_a_fail(watched):
     tests = RIGHT + "assert abs(f(1) - 2) < 1e-6\nassert round(f(1)) == 2\n"
     result = watched.check(attack(patch, tests))
     assert result.status == "failed" and "AssertionError" in result.output
-    # patching what the program's own reply code uses only breaks the program
-    broken = watched.check(attack(patch.replace("builtins.abs", "builtins.isinstance = lambda *_: True\nbuiltins.abs")))
-    assert broken.status == "error" and "ended without answering" in broken.output
+    # taking over the reply code itself only chooses the answers: here 2 for every call
+    hijack = "import sys\nsys.modules['__main__'].encode = lambda value, callback=None: 2\ndef f(x):\n    return 0\n"
+    hijacked = watched.check(attack(hijack))
+    assert hijacked.status == "failed" and "AssertionError" in hijacked.output  # f(1) == 2, f(5) != 6
 
 
 # ------------------------------------------------------------------------------------------ outliving

@@ -1,12 +1,15 @@
 """The sandboxed side of a function check: load the program, then answer calls with plain data.
 
-Runs inside the untrusted process as ``python -I -S -c <sandbox_wire source + this source>``
-(``sandbox_run.CHILD_SOURCE``), so it uses only the standard library. Everything from the first
+Runs inside the untrusted process: either as ``python -I -S -c <loader> <sandbox_wire + this file,
+compiled> <config>`` (``sandbox_run.CHILD_CODE``), or -- in ``namespaces+user`` when the program's
+interpreter is the judge's -- in a fork of ``sandbox_init`` (which already holds this code) after
+it dropped to the per-run uid: one interpreter start less per run. Standard library only. Everything from the first
 line of the program on is under the program's control -- it may replace this loop, the codec or
 ``os.write`` -- and that is fine: the judge treats every frame from here as untrusted data, decodes
 it strictly, compares in its own process and never learns a verdict from this side.
 
-Protocol (frames of ``sandbox_wire``; requests on stdin, replies on ``reply_fd``):
+Protocol (frames of ``sandbox_wire``; requests on stdin, replies on ``reply_fd``; the config in
+argv is marshal, written by the judge):
   judge -> child: {"source", "entry_point"} once, then {"call": [args, kwargs]};
                   {"value"} / {"raised", "message"} answer a callback.
   child -> judge: {"ready"} or {"load_error"} once, then per call {"value"}, {"raised", "message"}
@@ -76,10 +79,16 @@ class _Callback:
         return decode(answer["value"], callback=lambda i: _Callback(self.reply_fd, i))
 
 
-def main():
-    import json
+def serve(config):
+    """Load the program and answer calls until the judge closes the requests; then exit."""
+    try:
+        _serve(config)
+    finally:
+        _flush()
+        os._exit(0)
 
-    config = json.loads(sys.argv[1])
+
+def _serve(config):
     reply_fd = config["reply_fd"]
     _set_limits(config["limits"])
     first = read_frame(REQUESTS)
@@ -118,7 +127,8 @@ def main():
         write_all(reply_fd, frame)
 
 
+# run as a program (the exec launch); the fork launch calls serve() from sandbox_init instead
 if __name__ == "__main__":
-    main()
-    _flush()
-    os._exit(0)
+    import marshal
+
+    serve(marshal.loads(bytes.fromhex(sys.argv[2])))

@@ -1,7 +1,8 @@
 """The minimal init of a namespace run: pid 1 of the run's pid namespace; trusted; never runs the program.
 
 Started by ``unshare --pid --fork --kill-child --mount --mount-proc --net --ipc --uts`` as
-``python -I -S -c <this source> <config>`` (standard library only). Being pid 1, it is what the
+``python -I -S -c <loader> <sandbox_wire + sandbox_child + this file, compiled> <marshal config>``
+(standard library only, no ``json``: start-up time is paid per run). Being pid 1, it is what the
 kernel kills the whole namespace with: when it exits or dies, every process of the run dies too,
 and the program (its child, under another uid) can neither signal it (pid 1 gets no default signals
 from inside its namespace) nor ``setsid`` its way out of it.
@@ -13,7 +14,10 @@ It builds the run's file system in the private mount namespace, then starts the 
 - one private tmpfs of ``disk_mb`` (``nr_inodes`` bounded too) at ``/tmp``, shown also at
   ``/var/tmp`` and ``/dev/shm``: the program's working directory, HOME and TMPDIR;
 - SysV IPC of the run's IPC namespace capped, and ``pid_max`` of the pid namespace lowered
-  (kernels >= 6.14) so that a program that can fork cannot make more than a few hundred processes.
+  (kernels >= 6.14) so that a program that can fork cannot make more than a few hundred processes;
+- the program: exec'd through ``setpriv`` (``command``), or -- when its interpreter is this one --
+  a fork of this process that drops to the per-run uid itself (``fork_uid``) and runs
+  ``sandbox_child.serve`` (one interpreter start less).
 Limits it could not apply are reported in its "ready" message (the judge logs them).
 
 It reports the program's exit at once ("exited"). When the judge closes the lifeline pipe (end of
@@ -22,14 +26,20 @@ program's exit status ("exit") and exits.
 """
 
 import ctypes
-import json
+import marshal
 import os
 import select
 import signal
 import sys
 
+try:  # in the package; when run, sandbox_wire's and sandbox_child's code precede this file's
+    from mergekit_darts.evaluation.sandbox_child import serve
+except ImportError:
+    pass
+
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE = 1, 2, 4, 8, 4096, 8192
 MOUNT_ATTR_RDONLY, AT_FDCWD, AT_RECURSIVE, SYS_MOUNT_SETATTR = 0x1, -100, 0x8000, 442
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 4, 24, 38
 DEVICES = ("null", "zero", "full", "random", "urandom")
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -92,18 +102,43 @@ def _write_sysctls(values):
     return missed
 
 
+def _drop_privileges(uid):
+    """What setpriv --reuid --regid --clear-groups --bounding-set=-all --no-new-privs does (checked)."""
+    with open("/proc/sys/kernel/cap_last_cap") as handle:
+        last = int(handle.read())
+    for cap in range(last + 1):
+        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "drop capability %d" % cap)
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # from uid 0: permitted, effective and ambient capabilities go
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # as after an exec: its own /proc/self stays its own
+    with open("/proc/self/status") as handle:
+        caps = [line.split()[1] for line in handle if line.split(":")[0] in ("CapPrm", "CapEff", "CapBnd", "CapAmb")]
+    if os.getuid() != uid or any(int(value, 16) for value in caps):
+        raise OSError("privileges not dropped")
+
+
 def _start(config):
     fds = config["fds"]
     pid = os.fork()
     if pid == 0:  # the program's side: only its request (as stdin), output and reply descriptors
         try:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+            for number in (signal.SIGINT, signal.SIGCHLD):
+                signal.signal(number, signal.SIG_DFL)
             os.dup2(fds["request"], 0)
             reply = fds["reply"]
             os.closerange(3, reply)
             os.closerange(reply + 1, 1 << 16)
             os.chdir("/tmp")
-            os.execve(config["command"][0], config["command"], config["env"])
+            if config["fork_uid"] is None:
+                os.execve(config["command"][0], config["command"], config["env"])
+            _drop_privileges(config["fork_uid"])
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            serve(config["program"])  # sandbox_child's, compiled in with this file; never returns
+        except BaseException as error:
+            os.write(2, ("sandbox init: %s: %s\n" % (type(error).__name__, error)).encode())
         finally:
             os._exit(127)
     os.close(fds["request"])
@@ -112,7 +147,7 @@ def _start(config):
 
 
 def main():
-    config = json.loads(sys.argv[1])
+    config = marshal.loads(bytes.fromhex(sys.argv[2]))  # from the judge (trusted)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the only default handler Python installs
     status_fd, lifeline = config["fds"]["status"], config["fds"]["lifeline"]
     disk_bytes = config["disk_mb"] << 20
@@ -131,9 +166,9 @@ def main():
         _private_scratch(config["disk_mb"])
         child = _start(config)
     except Exception as error:
-        _report(status_fd, {"error": "%s: %s" % (type(error).__name__, error)})
+        _report(status_fd, "error", "%s: %s" % (type(error).__name__, error))
         os._exit(1)
-    _report(status_fd, {"ready": True, "not_applied": missed})
+    _report(status_fd, "ready", ",".join(missed))
     exit_status = None
     while True:  # until the judge closes the lifeline (end of run, or the judge died)
         ready, _, _ = select.select([lifeline, wake_read], [], [])
@@ -153,7 +188,7 @@ def main():
             break
         if pid == child:
             exit_status = os.waitstatus_to_exitcode(status)
-    _report(status_fd, {"exit": exit_status})
+    _report(status_fd, "exit", exit_status)
     os._exit(0)
 
 
@@ -169,11 +204,12 @@ def _reap(child, exit_status, status_fd):
             return exit_status
         if pid == child:
             exit_status = os.waitstatus_to_exitcode(status)
-            _report(status_fd, {"exited": exit_status})
+            _report(status_fd, "exited", exit_status)
 
 
-def _report(fd, message):
-    os.write(fd, (json.dumps(message) + "\n").encode())
+def _report(fd, kind, value):
+    """One status line: "ready <limits not applied>", "error <why>", "exited <status>", "exit <status>"."""
+    os.write(fd, ("%s %s\n" % (kind, "" if value is None else str(value).replace("\n", " "))).encode())
 
 
 if __name__ == "__main__":

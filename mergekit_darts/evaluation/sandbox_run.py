@@ -8,17 +8,19 @@ token in a process's environment), kills and reports any survivor, and removes t
 """
 
 import fcntl
-import json
+import functools
 import logging
+import marshal
 import os
 import secrets
 import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from mergekit_darts.evaluation import sandbox_child, sandbox_init, sandbox_wire
 from mergekit_darts.evaluation.sandbox_launch import PID_MAX, Launch
@@ -36,8 +38,28 @@ def _source(module) -> str:
         return handle.read()
 
 
-CHILD_SOURCE = _source(sandbox_wire) + "\n" + _source(sandbox_child)
-INIT_SOURCE = _source(sandbox_init)
+_CHILD = _source(sandbox_child)
+CHILD_SOURCE = _source(sandbox_wire) + "\n" + _CHILD
+# the init holds the child's code too (its fork may run it): without the child's "run as a program" tail
+INIT_SOURCE = _source(sandbox_wire) + "\n" + _CHILD[:_CHILD.index("# run as a program")] + _source(sandbox_init)
+# python -I -S -c LOADER <code> <config>: compiled here once (same interpreter: marshal'ed code) or,
+# for another interpreter of the same version, compiled there from source
+_LOADERS = {"code": "import marshal,sys;exec(marshal.loads(bytes.fromhex(sys.argv[1])))",
+            "source": "import sys;exec(compile(sys.argv[1],'<sandbox>','exec'))"}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(source: str) -> str:
+    return marshal.dumps(compile(source, "<sandbox>", "exec")).hex()
+
+
+def python_command(python: str, source: str, config: dict) -> List[str]:
+    """``python -I -S -c`` running ``source`` with ``config`` (marshal, hex) as argv[2]."""
+    if python == os.path.realpath(sys.executable):
+        payload, loader = _compiled(source), _LOADERS["code"]
+    else:
+        payload, loader = source, _LOADERS["source"]
+    return [python, "-I", "-S", "-c", loader, payload, marshal.dumps(config).hex()]
 
 
 class RunFailure(Exception):
@@ -110,13 +132,14 @@ class Run:
         self._rep, reply_write = _pipe()
         limits = {"memory_mb": self.memory_mb, "cpu_s": int(self.timeout) + 1, "file_bytes": FILE_BYTES,
                   "open_files": OPEN_FILES}
-        command = self.launch.program_command(self.uid) + [
-            "-I", "-S", "-c", CHILD_SOURCE, json.dumps({"reply_fd": reply_write, "limits": limits})]
+        program = {"reply_fd": reply_write, "limits": limits}
+        prefix = self.launch.program_command(self.uid)
+        command = prefix[:-1] + python_command(prefix[-1], CHILD_SOURCE, program)
         try:
             if self.launch.namespaces:
-                self._start_in_namespaces(command, request_read, reply_write)
+                self._start_in_namespaces(command, program, request_read, reply_write)
             else:
-                self._start_direct(command, request_read, reply_write)
+                self._start_direct(command, program, request_read, reply_write)
         except OSError as error:
             raise RunFailure("error", f"could not start the sandbox: {error}") from None
         finally:
@@ -125,7 +148,7 @@ class Run:
         os.set_blocking(self._req, False)
         os.set_blocking(self._rep, False)
 
-    def _start_direct(self, command, request_read, reply_write) -> None:
+    def _start_direct(self, command, program, request_read, reply_write) -> None:
         self._workdir = tempfile.mkdtemp(prefix="darts_sandbox_")
         if self.uid is not None:
             os.chown(self._workdir, self.uid, self.uid)
@@ -133,26 +156,27 @@ class Run:
             command, stdin=request_read, stdout=self._output, stderr=subprocess.STDOUT, pass_fds=(reply_write,),
             cwd=self._workdir, env=self._env(self._workdir), start_new_session=True)
 
-    def _start_in_namespaces(self, command, request_read, reply_write) -> None:
+    def _start_in_namespaces(self, command, program, request_read, reply_write) -> None:
         self._status, status_write = _pipe()
         lifeline_read, self._lifeline = _pipe()
         config = {"fds": {"request": request_read, "reply": reply_write, "status": status_write,
                           "lifeline": lifeline_read},
-                  "command": command, "env": self._env("/tmp"), "disk_mb": self.disk_mb, "pid_max": PID_MAX}
+                  "command": command, "env": self._env("/tmp"), "disk_mb": self.disk_mb, "pid_max": PID_MAX,
+                  "fork_uid": self.uid if self.launch.forks_program else None, "program": program}
         try:
             self.process = subprocess.Popen(
-                self.launch.init_command() + ["-I", "-S", "-c", INIT_SOURCE, json.dumps(config)],
+                [*self.launch.namespaces, *python_command(sys.executable, INIT_SOURCE, config)],
                 stdin=subprocess.DEVNULL, stdout=self._output, stderr=subprocess.STDOUT, cwd="/",
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
+                env=self._env("/tmp"), start_new_session=True,
                 pass_fds=(request_read, reply_write, status_write, lifeline_read))
         finally:
             _close(status_write)
             _close(lifeline_read)
-        message = self._status_message(self.deadline, "ready")
-        if not message or not message.get("ready"):
-            reason = (message or {}).get("error") or self.output().strip() or "no answer from its init"
+        message = self._status_message(self.deadline, ("ready", "error"))
+        if message is None or message[0] != "ready":
+            reason = (message[1] if message else "") or self.output().strip() or "no answer from its init"
             raise RunFailure("error", f"the sandbox did not start ({self.launch.name}): {reason}")
-        self.not_applied = list(message.get("not_applied", []))
+        self.not_applied = [name for name in message[1].split(",") if name]
         if self.not_applied and self.launch.name not in _REPORTED:
             _REPORTED.add(self.launch.name)
             logger.info("code sandbox (%s): this kernel did not let the init set %s", self.launch.name,
@@ -162,12 +186,12 @@ class Run:
         info = os.fstat(self._ns_fd)
         self.namespace = (info.st_ino, info.st_dev)
 
-    def _status_message(self, deadline: float, key: str) -> Optional[dict]:
-        """The init's next status message holding ``key`` (the init is trusted), or None at end of
-        file or past ``deadline``; "exited" messages on the way are recorded."""
+    def _status_message(self, deadline: float, kinds) -> Optional[Tuple[str, str]]:
+        """The init's next status line of one of ``kinds`` as (kind, value) (the init is trusted), or
+        None at end of file or past ``deadline``; "exited" lines on the way are recorded."""
         while True:
             for message in self._status_lines():
-                if key in message:
+                if message[0] in kinds:
                     return message
             ready = _ready([self._status], timeout=deadline - time.monotonic())
             if not ready or not self._read_status():
@@ -178,15 +202,16 @@ class Run:
         self._status_buffer += chunk
         return bool(chunk)
 
-    def _status_lines(self) -> List[dict]:
+    def _status_lines(self) -> List[Tuple[str, str]]:
         lines = []
         while b"\n" in self._status_buffer:
             line, _, rest = bytes(self._status_buffer).partition(b"\n")
             self._status_buffer = bytearray(rest)
-            message = json.loads(line)
-            if "exited" in message:
-                self.exited, self.exit_status = True, message["exited"]
-            lines.append(message)
+            kind, _, value = line.decode("utf-8", "replace").partition(" ")
+            if kind in ("exited", "exit") and value.lstrip("-").isdigit():
+                self.exit_status = int(value)
+                self.exited = self.exited or kind == "exited"
+            lines.append((kind, value))
         return lines
 
     def _program_gone(self) -> bool:
@@ -208,7 +233,7 @@ class Run:
         return [self._status] if self._status is not None and not self.exited else []
 
     def send(self, message: dict) -> None:
-        data = memoryview(sandbox_wire.pack(message))
+        data = memoryview(sandbox_wire.pack_for_child(message))
         while data:
             ready = _ready(self._watch(), [self._req], self._remaining())
             if self._req not in ready:
@@ -263,8 +288,8 @@ class Run:
                 except subprocess.TimeoutExpired:  # init unresponsive: unshare's kill-child takes it down
                     self.process.kill()
                     self.process.wait()
-                final = self._status_message(time.monotonic() + 1.0, "exit") if self._status is not None else None
-                self.exit_status = (final or {}).get("exit", self.exit_status)
+                if self._status is not None:
+                    self._status_message(time.monotonic() + 1.0, ("exit",))  # records the exit status
             else:
                 try:  # it closed its end: give it a moment to be reaped, for its exit status
                     self.exit_status = self.process.wait(timeout=1.0 if self.exited else 0)

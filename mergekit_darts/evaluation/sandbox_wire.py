@@ -1,24 +1,31 @@
 """Plain data across the sandbox boundary: a strict codec and length-prefixed JSON frames.
 
 Both sides use this file: the trusted judge imports it, and its source is sent into the sandboxed
-child (``python -I -S``), so it imports only the standard library. What the child sends is decoded
-by ``decode``, which builds only plain data -- None, bool, int, float, complex, str, bytes,
+child (``python -I -S``), so it imports only the standard library, and only what is cheap to start
+(no ``json``, whose import costs a program start ~25 ms): the judge's frames to the child are
+``marshal`` (the child only reads data from the trusted side that way), the child's frames to the
+judge are JSON written by ``dump_json`` and read by the judge with ``json.loads``; it never
+unmarshals anything from the child. What the child sends is decoded by ``decode``, which builds only plain data -- None, bool, int, float, complex, str, bytes,
 bytearray and list / tuple / set / frozenset / dict / range of those (and an iterator over a list:
 a function may return a generator) -- within bounds on size, nesting and item count. Anything
 else is a ``WireError``: the judge then fails the run. Nothing the child sends is ever executed,
 unpickled or given methods of its own (exact types only, so no ``__eq__`` of the program's).
 """
 
-import json
+import marshal
 import os
-import struct
+
+try:
+    from _json import encode_basestring_ascii as _quote
+except ImportError:  # pragma: no cover - CPython always has the accelerator
+    from json.encoder import encode_basestring_ascii as _quote
 
 MAX_FRAME = 4 << 20  # bytes of JSON per message
 MAX_DEPTH = 64
 MAX_ITEMS = 1 << 18
 MAX_INT_HEX = 4096  # about 4900 decimal digits, like CPython's own int/str conversion limit
 _SMALL_INT = 1 << 53  # larger ints travel as hex, out of reach of JSON readers' digit limits
-_HEADER = struct.Struct(">I")
+HEADER_SIZE = 4
 
 
 class WireError(Exception):
@@ -116,26 +123,76 @@ def decode(tree, callback=None):
         raise WireError("malformed value: %s: %s" % (type(error).__name__, error)) from None
 
 
-def pack(message):
-    """``message`` (a dict of JSON-able values) as one frame: 4-byte length, then compact JSON."""
-    try:
-        payload = json.dumps(message, separators=(",", ":"), allow_nan=True).encode("ascii")
-    except (TypeError, ValueError, RecursionError) as error:
-        raise WireError("cannot encode the message: %s" % error) from None
+def _framed(payload):
     if len(payload) > MAX_FRAME:
         raise WireError("message of %d bytes is over the %d-byte limit" % (len(payload), MAX_FRAME))
-    return _HEADER.pack(len(payload)) + payload
+    return len(payload).to_bytes(HEADER_SIZE, "big") + payload
+
+
+def pack_for_child(message):
+    """A frame from the judge (trusted data of plain types) to the child."""
+    return _framed(marshal.dumps(message))
+
+
+def pack(message):
+    """A frame from the child to the judge: ``message`` (dicts, lists, str, int, float, bool, None) as JSON."""
+    parts = []
+    try:
+        dump_json(message, parts.append, 0)
+    except RecursionError:
+        raise WireError("nested too deeply") from None
+    return _framed("".join(parts).encode("ascii"))
+
+
+_FLOATS = {float("inf"): "Infinity", float("-inf"): "-Infinity"}
+
+
+def dump_json(value, write, depth):
+    kind = type(value)
+    if depth > MAX_DEPTH + 8:
+        raise WireError("nested too deeply")
+    if value is None:
+        write("null")
+    elif kind is bool:
+        write("true" if value else "false")
+    elif kind is int:
+        write(int.__repr__(value))
+    elif kind is float:
+        write("NaN" if value != value else _FLOATS.get(value) or float.__repr__(value))
+    elif kind is str:
+        write(_quote(value))
+    elif kind is list:
+        write("[")
+        for index, item in enumerate(value):
+            if index:
+                write(",")
+            dump_json(item, write, depth + 1)
+        write("]")
+    elif kind is dict:
+        write("{")
+        for index, (key, item) in enumerate(value.items()):
+            if type(key) is not str:
+                raise WireError("a JSON key must be a str")
+            write("," if index else "")
+            write(_quote(key))
+            write(":")
+            dump_json(item, write, depth + 1)
+        write("}")
+    else:
+        raise WireError("cannot write a %s as JSON" % kind.__name__)
 
 
 def frame_length(header):
-    (length,) = _HEADER.unpack(header)
+    length = int.from_bytes(header, "big")
     if length > MAX_FRAME:
         raise WireError("frame of %d bytes is over the %d-byte limit" % (length, MAX_FRAME))
     return length
 
 
 def unpack(payload):
-    """The message (a dict) in a frame's payload; ``WireError`` for anything else."""
+    """The message (a dict) in a frame from the child (the judge's side); ``WireError`` for anything else."""
+    import json
+
     try:
         message = json.loads(payload.decode("ascii"))
     except (ValueError, RecursionError, MemoryError) as error:
@@ -145,11 +202,8 @@ def unpack(payload):
     return message
 
 
-HEADER_SIZE = _HEADER.size
-
-
 def write_frame(fd, message):
-    """Blocking write of one frame (the child's side)."""
+    """Blocking write of one frame to the judge (the child's side)."""
     write_all(fd, pack(message))
 
 
@@ -160,14 +214,14 @@ def write_all(fd, data):
 
 
 def read_frame(fd):
-    """Blocking read of one frame (the child's side); None at end of file."""
+    """Blocking read of one frame from the judge (the child's side: trusted marshal data); None at EOF."""
     header = _read_exactly(fd, HEADER_SIZE)
     if header is None:
         return None
     payload = _read_exactly(fd, frame_length(header))
     if payload is None:
         return None
-    return unpack(payload)
+    return marshal.loads(payload)
 
 
 def _read_exactly(fd, size):
