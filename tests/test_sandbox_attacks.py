@@ -118,7 +118,7 @@ def test_monkey_patching_builtins_and_assertionerror_is_a_fail(watched):
 
 # ------------------------------------------------------------------------------------------ outliving
 def test_setsid_and_double_fork_survivors_leave_nothing(watched):
-    program = textwrap.dedent(f"""\
+    program = textwrap.dedent("""\
         import ctypes, os, posix, signal, time
         def f(x):
             for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):

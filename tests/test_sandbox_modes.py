@@ -13,7 +13,7 @@ import textwrap
 import time
 
 import pytest
-from sandbox_checks import RIGHT, TAG, attack, spy, watched  # noqa: F401 (watched is a fixture)
+from sandbox_checks import TAG, attack, spy, watched  # noqa: F401 (watched is a fixture)
 
 from mergekit_darts.evaluation import sandbox, sandbox_launch
 

@@ -2,9 +2,10 @@
 
 ``Run.start`` starts the program's interpreter (through ``sandbox_init`` in the namespace modes),
 ``send``/``recv`` exchange ``sandbox_wire`` frames with it under the run's wall-clock deadline, and
-``end`` kills whatever is left, checks that no process of the run survives (the run's pid namespace,
-held open so its identity cannot be reused; else its per-run uid; else, in ``plain``, the run's
-token in a process's environment), kills and reports any survivor, and removes the run's files.
+``end`` kills whatever is left, checks that no process of the run survives (``sandbox_cleanup``:
+the run's pid namespace, held open so that its identity cannot be reused; else its per-run uid;
+else, in ``plain``, the run's token in a process's environment), kills and reports any survivor,
+and removes the run's files.
 """
 
 import fcntl
@@ -22,7 +23,7 @@ import tempfile
 import time
 from typing import List, Optional, Tuple
 
-from mergekit_darts.evaluation import sandbox_child, sandbox_init, sandbox_wire
+from mergekit_darts.evaluation import sandbox_child, sandbox_cleanup, sandbox_init, sandbox_wire
 from mergekit_darts.evaluation.sandbox_launch import PID_MAX, Launch
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class Run:
             if self.launch.namespaces:
                 self._start_in_namespaces(command, program, request_read, reply_write)
             else:
-                self._start_direct(command, program, request_read, reply_write)
+                self._start_direct(command, request_read, reply_write)
         except OSError as error:
             raise RunFailure("error", f"could not start the sandbox: {error}") from None
         finally:
@@ -148,7 +149,7 @@ class Run:
         os.set_blocking(self._req, False)
         os.set_blocking(self._rep, False)
 
-    def _start_direct(self, command, program, request_read, reply_write) -> None:
+    def _start_direct(self, command, request_read, reply_write) -> None:
         self._workdir = tempfile.mkdtemp(prefix="darts_sandbox_")
         if self.uid is not None:
             os.chown(self._workdir, self.uid, self.uid)
@@ -308,43 +309,11 @@ class Run:
         self._rep = self._status = self._ns_fd = None
         return survivors
 
-    def _processes(self) -> List[int]:
-        """Processes of this run still alive (see the module docstring for how they are found)."""
-        found = []
-        token = f"DARTS_SANDBOX_RUN={self.token}".encode()
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                if self.namespace is not None:
-                    info = os.stat(f"/proc/{name}/ns/pid")
-                    hit = (info.st_ino, info.st_dev) == self.namespace
-                elif self.uid is not None:
-                    with open(f"/proc/{name}/status") as handle:
-                        uids = next(line for line in handle if line.startswith("Uid:")).split()[1:]
-                    hit = str(self.uid) in uids
-                else:
-                    with open(f"/proc/{name}/environ", "rb") as handle:
-                        hit = token in handle.read().split(b"\0")
-            except (OSError, StopIteration):
-                continue
-            if hit:
-                found.append(int(name))
-        return found
-
     def _kill_survivors(self) -> int:
-        if not os.path.isdir("/proc/self"):
+        found = sandbox_cleanup.survivors(self.namespace, self.uid, self.token)
+        if found is None:
             self.notes.append("no /proc here: surviving processes cannot be checked")
             return 0
-        found, settle = self._processes(), time.monotonic() + 2.0
-        while found and time.monotonic() < settle:  # the kernel may still be tearing the run down
-            time.sleep(0.05)
-            found = self._processes()
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
         if found:
             message = f"{len(found)} process(es) of the run outlived it ({self.launch.name}); killed: {found}"
             logger.warning("code sandbox: %s", message)
@@ -356,24 +325,7 @@ class Run:
             shutil.rmtree(self._workdir, ignore_errors=True)
         if self.launch.namespaces or self.uid is None:
             return  # namespaces: the private tmpfs and IPC died with the run; plain: cannot tell them apart
-        removed = 0
-        for root in ("/tmp", "/var/tmp", "/dev/shm"):
-            try:
-                entries = list(os.scandir(root))
-            except OSError:
-                continue
-            for entry in entries:
-                try:
-                    if entry.stat(follow_symlinks=False).st_uid != self.uid:
-                        continue
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path, ignore_errors=True)
-                    else:
-                        os.unlink(entry.path)
-                    removed += 1
-                except OSError:
-                    pass
-        removed += _remove_ipc(self.uid)
+        removed = sandbox_cleanup.remove_owned_by(self.uid)
         if removed:
             self.notes.append(f"removed {removed} file(s) or IPC object(s) the program left behind")
 
@@ -385,18 +337,3 @@ class Run:
     def close(self) -> None:
         self._output.close()
 
-
-def _remove_ipc(uid: int) -> int:
-    """Remove SysV shared memory, message queues and semaphores owned by ``uid`` (the user mode)."""
-    removed = 0
-    for kind, flag, column in (("shm", "-m", 7), ("msg", "-q", 7), ("sem", "-s", 4)):
-        try:
-            with open(f"/proc/sysvipc/{kind}") as handle:
-                rows = [line.split() for line in handle.readlines()[1:]]
-        except OSError:
-            continue
-        for row in rows:
-            if len(row) > column and row[column] == str(uid):
-                done = subprocess.run(["ipcrm", flag, row[1]], capture_output=True)
-                removed += done.returncode == 0
-    return removed
