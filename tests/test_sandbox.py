@@ -79,6 +79,12 @@ def test_functions_passed_by_the_tests_are_called_back():
     assert failing.status == "failed" and "ZeroDivisionError" in failing.output
 
 
+def test_an_argument_that_is_not_plain_data_fails_the_run_with_a_reason():
+    test = "class Point:\n    pass\nf(Point())\n"
+    result = check_function("def f(p):\n    return 1\n", "f", test, check=None)
+    assert result.status == "error" and "not plain data" in result.output and "Point" in result.output
+
+
 def test_the_tests_see_the_datasets_helpers_not_the_programs():
     setup = "def helper(x):\n    return x * 2\n\ndef f(x):\n    \"\"\"doubles x\"\"\"\n"
     cheat = setup + "    return 0\n\ndef helper(x):\n    return 0\n"  # redefines the helper the tests use
