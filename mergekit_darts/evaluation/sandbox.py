@@ -190,8 +190,9 @@ _LOCK = threading.Lock()  # the demo scores from a thread pool: probe once
 
 
 def _works(launch: Launch) -> bool:
-    result = check_function("def f(x):\n    return [x, {'a': (1.5, None)}]\n", "f",
-                            "assert f(2) == [2, {'a': (1.5, None)}]\n", check=None, timeout=30.0, launch=launch)
+    # the imports check that the program's uid can read the standard library (a .py and an extension)
+    result = check_function("import colorsys, math\ndef f(x):\n    return [x, {'a': (math.floor(1.5), None)}]\n",
+                            "f", "assert f(2) == [2, {'a': (1, None)}]\n", check=None, timeout=30.0, launch=launch)
     if not result.passed:
         logger.debug("code sandbox: %s refused here: %s", launch.name, result.output[-300:])
     return result.passed

@@ -1,9 +1,7 @@
 """The sandboxed side of a function check: load the program, then answer calls with plain data.
 
-Runs inside the untrusted process: either as ``python -I -S -c <loader> <sandbox_wire + this file,
-compiled> <config>`` (``sandbox_run.CHILD_CODE``), or -- in ``namespaces+user`` when the program's
-interpreter is the judge's -- in a fork of ``sandbox_init`` (which already holds this code) after
-it dropped to the per-run uid: one interpreter start less per run. Standard library only. Everything from the first
+Runs inside the untrusted process as ``python -I -S -c <loader> <sandbox_wire + this file> <config>``
+(``sandbox_run.python_command``): standard library only. Everything from the first
 line of the program on is under the program's control -- it may replace this loop, the codec or
 ``os.write`` -- and that is fine: the judge treats every frame from here as untrusted data, decodes
 it strictly, compares in its own process and never learns a verdict from this side.
@@ -83,6 +81,11 @@ def serve(config):
     """Load the program and answer calls until the judge closes the requests; then exit."""
     try:
         _serve(config)
+    except BaseException as error:  # for the report only: the judge sees the end of the replies
+        try:
+            os.write(2, ("sandbox child: %s: %s\n" % (type(error).__name__, error)).encode("utf-8", "replace"))
+        except BaseException:
+            pass
     finally:
         _flush()
         os._exit(0)
@@ -127,7 +130,6 @@ def _serve(config):
         write_all(reply_fd, frame)
 
 
-# run as a program (the exec launch); the fork launch calls serve() from sandbox_init instead
 if __name__ == "__main__":
     import marshal
 

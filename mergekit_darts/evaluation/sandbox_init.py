@@ -1,10 +1,10 @@
 """The minimal init of a namespace run: pid 1 of the run's pid namespace; trusted; never runs the program.
 
 Started by ``unshare --pid --fork --kill-child --mount --mount-proc --net --ipc --uts`` as
-``python -I -S -c <loader> <sandbox_wire + sandbox_child + this file, compiled> <marshal config>``
-(standard library only, no ``json``: start-up time is paid per run). Being pid 1, it is what the
+``python -I -S -c <loader> <this file, compiled> <marshal config>`` (standard library only, no
+``json``: start-up time is paid per run). Being pid 1, it is what the
 kernel kills the whole namespace with: when it exits or dies, every process of the run dies too,
-and the program (its child, under another uid) can neither signal it (pid 1 gets no default signals
+and the program (its child) can neither signal it (pid 1 gets no default signals
 from inside its namespace) nor ``setsid`` its way out of it.
 
 It builds the run's file system in the private mount namespace, then starts the program:
@@ -15,9 +15,8 @@ It builds the run's file system in the private mount namespace, then starts the 
   ``/var/tmp`` and ``/dev/shm``: the program's working directory, HOME and TMPDIR;
 - SysV IPC of the run's IPC namespace capped, and ``pid_max`` of the pid namespace lowered
   (kernels >= 6.14) so that a program that can fork cannot make more than a few hundred processes;
-- the program: exec'd through ``setpriv`` (``command``), or -- when its interpreter is this one --
-  a fork of this process that drops to the per-run uid itself (``fork_uid``) and runs
-  ``sandbox_child.serve`` (one interpreter start less).
+- then the program: ``setpriv`` (per-run uid or uid 0, no capabilities, no-new-privs) exec'ing its
+  interpreter (``command``).
 Limits it could not apply are reported in its "ready" message (the judge logs them).
 
 It reports the program's exit at once ("exited"). When the judge closes the lifeline pipe (end of
@@ -32,14 +31,8 @@ import select
 import signal
 import sys
 
-try:  # in the package; when run, sandbox_wire's and sandbox_child's code precede this file's
-    from mergekit_darts.evaluation.sandbox_child import serve
-except ImportError:
-    pass
-
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE = 1, 2, 4, 8, 4096, 8192
 MOUNT_ATTR_RDONLY, AT_FDCWD, AT_RECURSIVE, SYS_MOUNT_SETATTR = 0x1, -100, 0x8000, 442
-PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 4, 24, 38
 DEVICES = ("null", "zero", "full", "random", "urandom")
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -102,23 +95,6 @@ def _write_sysctls(values):
     return missed
 
 
-def _drop_privileges(uid):
-    """What setpriv --reuid --regid --clear-groups --bounding-set=-all --no-new-privs does (checked)."""
-    with open("/proc/sys/kernel/cap_last_cap") as handle:
-        last = int(handle.read())
-    for cap in range(last + 1):
-        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), "drop capability %d" % cap)
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)  # from uid 0: permitted, effective and ambient capabilities go
-    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # as after an exec: its own /proc/self stays its own
-    with open("/proc/self/status") as handle:
-        caps = [line.split()[1] for line in handle if line.split(":")[0] in ("CapPrm", "CapEff", "CapBnd", "CapAmb")]
-    if os.getuid() != uid or any(int(value, 16) for value in caps):
-        raise OSError("privileges not dropped")
-
-
 def _start(config):
     fds = config["fds"]
     pid = os.fork()
@@ -132,11 +108,7 @@ def _start(config):
             os.closerange(3, reply)
             os.closerange(reply + 1, 1 << 16)
             os.chdir("/tmp")
-            if config["fork_uid"] is None:
-                os.execve(config["command"][0], config["command"], config["env"])
-            _drop_privileges(config["fork_uid"])
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            serve(config["program"])  # sandbox_child's, compiled in with this file; never returns
+            os.execve(config["command"][0], config["command"], config["env"])
         except BaseException as error:
             os.write(2, ("sandbox init: %s: %s\n" % (type(error).__name__, error)).encode())
         finally:

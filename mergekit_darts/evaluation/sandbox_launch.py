@@ -51,12 +51,6 @@ class Launch:
             prefix = [SETPRIV, *_NO_CAPS]
         return [*prefix, self.python]
 
-    @property
-    def forks_program(self) -> bool:
-        """The init forks itself into the program (dropping to the per-run uid) instead of exec'ing
-        ``setpriv python``: possible when the program's interpreter is the init's."""
-        return bool(self.namespaces) and self.switch_user and self.python == os.path.realpath(sys.executable)
-
     def pick_uid(self) -> Optional[int]:
         return run_uid() if self.switch_user else None
 

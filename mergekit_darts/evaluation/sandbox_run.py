@@ -39,10 +39,8 @@ def _source(module) -> str:
         return handle.read()
 
 
-_CHILD = _source(sandbox_child)
-CHILD_SOURCE = _source(sandbox_wire) + "\n" + _CHILD
-# the init holds the child's code too (its fork may run it): without the child's "run as a program" tail
-INIT_SOURCE = _source(sandbox_wire) + "\n" + _CHILD[:_CHILD.index("# run as a program")] + _source(sandbox_init)
+CHILD_SOURCE = _source(sandbox_wire) + "\n" + _source(sandbox_child)
+INIT_SOURCE = _source(sandbox_init)
 # python -I -S -c LOADER <code> <config>: compiled here once (same interpreter: marshal'ed code) or,
 # for another interpreter of the same version, compiled there from source
 _LOADERS = {"code": "import marshal,sys;exec(marshal.loads(bytes.fromhex(sys.argv[1])))",
@@ -133,12 +131,11 @@ class Run:
         self._rep, reply_write = _pipe()
         limits = {"memory_mb": self.memory_mb, "cpu_s": int(self.timeout) + 1, "file_bytes": FILE_BYTES,
                   "open_files": OPEN_FILES}
-        program = {"reply_fd": reply_write, "limits": limits}
         prefix = self.launch.program_command(self.uid)
-        command = prefix[:-1] + python_command(prefix[-1], CHILD_SOURCE, program)
+        command = prefix[:-1] + python_command(prefix[-1], CHILD_SOURCE, {"reply_fd": reply_write, "limits": limits})
         try:
             if self.launch.namespaces:
-                self._start_in_namespaces(command, program, request_read, reply_write)
+                self._start_in_namespaces(command, request_read, reply_write)
             else:
                 self._start_direct(command, request_read, reply_write)
         except OSError as error:
@@ -157,13 +154,12 @@ class Run:
             command, stdin=request_read, stdout=self._output, stderr=subprocess.STDOUT, pass_fds=(reply_write,),
             cwd=self._workdir, env=self._env(self._workdir), start_new_session=True)
 
-    def _start_in_namespaces(self, command, program, request_read, reply_write) -> None:
+    def _start_in_namespaces(self, command, request_read, reply_write) -> None:
         self._status, status_write = _pipe()
         lifeline_read, self._lifeline = _pipe()
         config = {"fds": {"request": request_read, "reply": reply_write, "status": status_write,
                           "lifeline": lifeline_read},
-                  "command": command, "env": self._env("/tmp"), "disk_mb": self.disk_mb, "pid_max": PID_MAX,
-                  "fork_uid": self.uid if self.launch.forks_program else None, "program": program}
+                  "command": command, "env": self._env("/tmp"), "disk_mb": self.disk_mb, "pid_max": PID_MAX}
         try:
             self.process = subprocess.Popen(
                 [*self.launch.namespaces, *python_command(sys.executable, INIT_SOURCE, config)],
