@@ -212,7 +212,8 @@ def test_the_evaluators_environment_and_proc_are_out_of_reach(watched, tmp_path,
     program = textwrap.dedent("""\
         import os
         def f(evaluator):
-            seen = {'environ': dict(os.environ), 'pid': os.getpid(), 'ppid': os.getppid(), 'proc': os.listdir('/proc')}
+            seen = {'environ': dict(os.environ), 'pid': os.getpid(), 'ppid': os.getppid(), 'proc': os.listdir('/proc'),
+                    'dev': sorted(os.listdir('/dev'))}
             for pid in ('self', os.getppid(), 1, evaluator):
                 for name in ('environ', 'cmdline', 'mem'):
                     try:
@@ -227,6 +228,7 @@ def test_the_evaluators_environment_and_proc_are_out_of_reach(watched, tmp_path,
     assert result.status == "failed" and secret not in json.dumps(observed)
     assert observed["pid"] != 1 and observed["ppid"] == 1  # the program is not the namespace's init
     assert str(os.getpid()) not in observed["proc"] and observed["1/environ"] == "PermissionError"
+    assert set(observed["dev"]) <= {"null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout", "stderr", "shm"}
     assert set(observed["environ"]) == {"PATH", "LANG", "PYTHONHASHSEED", "OMP_NUM_THREADS", "HOME", "TMPDIR",
                                         "DARTS_SANDBOX_RUN"}
 
