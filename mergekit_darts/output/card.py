@@ -45,8 +45,8 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         f"- Default domain: `{default_domain}`",
         "",
         "| Domain | Expert | Calibration (train / held-out) | Final loss | Measured on | Bias before → after "
-        "| KL to expert before → after | Verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        "| KL to expert before → after | Greedy output = expert's, before → after | Verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     chosen = (report or {}).get("default_domain")
     if isinstance(chosen, dict) and chosen.get("used") != chosen.get("requested"):
@@ -66,7 +66,7 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         if verdict in ("worse", "non_finite"):
             verdict = f"**{verdict.replace('_', '-')} than the plain merge**"
         lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {measured} | {change} "
-                     f"| {kl_change} | {verdict} |")
+                     f"| {kl_change} | {_behaviour_cell(info.get('behaviour'))} | {verdict} |")
     lines += _router_lines(darts_meta.get("router"), (report or {}).get("router"))
     example = next(iter(domains))
     lines += [
@@ -90,6 +90,16 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         "",
     ]
     return "\n".join(lines)
+
+
+def _behaviour_cell(behaviour: Optional[dict]) -> str:
+    """Exact-match share and top-1 agreement of greedy continuations with the expert's, plain merge →
+    corrected (docs/quality.md, Behaviour)."""
+    if not behaviour or "before" not in behaviour:
+        return "–"
+    before, after = behaviour["before"], behaviour["after"]
+    return (f"{_pct(before['exact_match'])} → {_pct(after['exact_match'])} of {behaviour['prompts']} prompts "
+            f"(top-1 agreement {before['top1_agreement']:.2f} → {after['top1_agreement']:.2f})")
 
 
 def _pct(value) -> str:

@@ -25,14 +25,26 @@ def _sig(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
+def behaviour_cells(behaviour: Optional[Dict[str, Any]]):
+    """(prompts, exact match, top-1 agreement, first diff), each 'plain merge -> corrected'."""
+    if not behaviour or "before" not in behaviour:
+        return ["-", "-", "-", "-"]
+    before, after = behaviour["before"], behaviour["after"]
+    return [str(behaviour["prompts"]), f"{100 * before['exact_match']:.0f}% -> {100 * after['exact_match']:.0f}%",
+            f"{before['top1_agreement']:.3f} -> {after['top1_agreement']:.3f}",
+            f"{before['first_disagreement']:.1f} -> {after['first_disagreement']:.1f}"]
+
+
 def summary_table(report: Dict[str, Any]) -> str:
     """A plain-text table (Table 3 style) per domain: bias before/after surgery, and the KL to the
     expert's next-token distribution before/after with the share of it closed; "measured on" says
     whether those are held-out or (held_out: 0, too few records) training records. Two tables
-    (training, then what was measured) of at most 100 columns (``console.format_table``)."""
+    (training, then what was measured) of at most 100 columns (``console.format_table``), and a third
+    with the behaviour figures (greedy continuations vs the expert's) when they were measured."""
     training = [["domain", "train", "held-out", "measured on", "final loss", "train s", "verdict"]]
     measured = [["domain", "L1 before", "L1 after", "L1 cut", "EW-L1 before", "EW-L1 after", "KL before",
                  "KL after", "gap closed"]]
+    behaviour = [["domain", "prompts", "exact match", "top-1 agreement", "first diff"]]
     for name, entry in report.get("domains", {}).items():
         bias = entry.get("bias") or {}
         calib = entry.get("calibration") or {}
@@ -48,7 +60,10 @@ def summary_table(report: Dict[str, Any]) -> str:
         measured.append([name, _fmt(before), _fmt(after), reduction, _fmt(bias.get("mean_before_weighted")),
                          _fmt(bias.get("mean_after_weighted")), _sig(kl.get("before")), _sig(kl.get("after")),
                          "-" if closed is None else f"{100 * closed:.1f}%"])
+        behaviour.append([name, *behaviour_cells(entry.get("behaviour"))])
     lines = format_table(training) + [""] + format_table(measured)
+    if any(row[1] != "-" for row in behaviour[1:]):
+        lines += [""] + format_table(behaviour)
     settings = report.get("surgery") or {}
     if settings:
         keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")
@@ -68,6 +83,9 @@ def summary_table(report: Dict[str, Any]) -> str:
               "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's;",
               "  L1 cut: 1 - after/before. KL: KL(expert || model) of the next-token distribution",
               "  (nats/token); gap closed: 1 - KL after/before.",
+              "exact match / top-1 agreement / first diff, plain merge -> corrected: held-out prompts whose",
+              "  greedy continuation is the expert's, the share of the expert's tokens that are the model's",
+              "  top-1, the mean position of the first differing token (docs/quality.md, Behaviour).",
               "train s: wall seconds of the domain's training (lr choice, early stopping and refit included)."]
     return "\n".join(lines)
 

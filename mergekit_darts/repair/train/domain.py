@@ -35,6 +35,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     ``tail`` (``depth > 0``): the frozen last blocks; the module then reads ``data.block_inputs``."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
     from mergekit_darts.repair.capture.context import resolve_device
+    from mergekit_darts.repair.report.behaviour import domain_behaviour
     from mergekit_darts.repair.report.measure import bias_by_position, held_out_kl
     from mergekit_darts.repair.report.verdict import domain_verdict
     from mergekit_darts.repair.train.selection import fit
@@ -107,6 +108,9 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     # correction recovers: the quantity that decides generation (docs/design.md §3)
     entry["held_out_kl"] = held_out_kl(measured, {k: v.to(device) for k, v in held.items()},
                                        data.expert_head.to(device), merged_head.to(device), surgery.kl_chunk_size)
-    module.cpu()
+    module.cpu()  # the greedy-agreement figures on the cpu, where the cached states are
+    entry["behaviour"] = domain_behaviour(data, eval_idx, corrected, module, merged_head.cpu(),
+                                          surgery.domains[name].calibration.continue_tokens,
+                                          surgery.max_positions, surgery.kl_chunk_size)
     entry["verdict"] = domain_verdict(entry, surgery.loss)
     return TrainedDomain(module=module, entry=entry)
