@@ -93,6 +93,9 @@ class CalibrationConfig(_Strict):
     # quality options (docs/quality.md): sampled continuations of each prompt besides the greedy one
     continue_samples: StrictInt = Field(0, ge=0, le=1024)
     continue_temperature: YamlFloat = Field(1.0, gt=0, allow_inf_nan=False)
+    # prompts the expert writes from the training prompts, then answers like the user's (docs/quality.md)
+    synthesize: StrictInt = Field(0, ge=0, le=10_000_000)
+    synthesize_temperature: YamlFloat = Field(1.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _no_ignored_keys(self):

@@ -20,7 +20,7 @@ from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surg
 from mergekit_darts.console import before_after
 from mergekit_darts.errors import io_error
 from mergekit_darts.repair.train.domain import train_domain
-from mergekit_darts.repair.train.split import prompt_count, split_held_out
+from mergekit_darts.repair.train.split import real_prompt_count, split_held_out
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -204,6 +204,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
                            "domains": {}}
     # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
     report["surgery"]["preset_settings"] = preset_settings(surgery)
+    if captured.tail is not None:  # the merged model's decoder layers: whether depth adapts all of them
+        report["surgery"]["layers"] = captured.tail.first + len(captured.tail.layers)
     for name, data in captured.domains.items():
         trained = train_domain(name, data, captured.merged_head, surgery, settings, tail=captured.tail)
         modules[name] = trained.module
@@ -277,6 +279,9 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
                                        continue_samples=domain.calibration.continue_samples,
                                        continue_temperature=domain.calibration.continue_temperature,
                                        sample_seed=settings.seed,
+                                       synthesize=domain.calibration.synthesize,
+                                       synthesize_temperature=domain.calibration.synthesize_temperature,
+                                       held_out=surgery.held_out,
                                        add_special_tokens=not domain.calibration.chat_template))
     captured = capture_domains(ctx, specs)
     check_finite_capture(captured, surgery, settings, out_path)
@@ -295,7 +300,9 @@ def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSe
     # the greedy rows only: a sampled continuation repeats its prompt, whose pooled state would then
     # sit on both sides of the router's held-out split
     # with depth the router reads the first adapted block's input (where the emitted model routes)
-    pooled = {name: pooled_prompts(_router_view(data))[:prompt_count(data)] for name, data in captured.domains.items()}
+    # and the user's prompts only (synthesized ones are the expert's guesses at them)
+    pooled = {name: pooled_prompts(_router_view(data))[:real_prompt_count(data)]
+              for name, data in captured.domains.items()}
     splits = {name: split_held_out(rows.shape[0], surgery.held_out, settings.seed) for name, rows in pooled.items()}
     eval_pooled = None
     if surgery.router_eval is not None:

@@ -40,6 +40,7 @@ def read_darts_info(out_dir: str) -> dict:
         "architecture": (config.get("architectures") or [None])[0],
         "default_domain": config.get(layout.DOMAIN_KEY, NONE_DOMAIN),
         **{key: value for key, value in shape.items() if key != "format_version"},
+        "layers": config.get("num_hidden_layers"),  # whether depth adapts every block (the 7B share)
         "loss": meta.get("loss"),
         "format_version": shape["format_version"],
         "version": meta.get("version"),

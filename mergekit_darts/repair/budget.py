@@ -23,7 +23,17 @@ def block_linear_sizes(hidden_size: int, intermediate_size: int) -> int:
     return 4 * (2 * hidden_size) + 3 * (hidden_size + intermediate_size)
 
 
-def _terms(settings: Dict, hidden_size: int, vocab_size: int, intermediate_size: int) -> List[Tuple[str, int]]:
+def _blocks(settings: Dict, layers: int) -> Tuple[str, int]:
+    """How many of the 7B shape's blocks ``depth`` adapts: all of them when the settings adapt every
+    block of their own model (``settings["layers"]``, the merged model's decoder layers), else ``depth``."""
+    depth, own = int(settings["depth"]), settings.get("layers")
+    if own and depth >= int(own):
+        return f"{layers} (all)", layers
+    return str(depth), depth
+
+
+def _terms(settings: Dict, hidden_size: int, vocab_size: int, intermediate_size: int,
+           layers: int = SHAPE_7B["layers"]) -> List[Tuple[str, int]]:
     """(formula term, parameters) of each part of one domain's correction."""
     h, v = hidden_size, vocab_size
     terms = [(f"2·{settings['rank']}·{h}", 2 * int(settings["rank"]) * h)]  # content
@@ -33,8 +43,8 @@ def _terms(settings: Dict, hidden_size: int, vocab_size: int, intermediate_size:
         terms.append((f"{settings['head_rank']}·({h}+{v})", int(settings["head_rank"]) * (h + v)))
     if settings.get("depth"):  # adapters on every linear of the last `depth` blocks
         sizes = block_linear_sizes(h, intermediate_size)
-        terms.append((f"{settings['depth']}·{settings['depth_rank']}·{sizes}",
-                      int(settings["depth"]) * int(settings["depth_rank"]) * sizes))
+        label, blocks = _blocks(settings, layers)
+        terms.append((f"{label}·{settings['depth_rank']}·{sizes}", blocks * int(settings["depth_rank"]) * sizes))
     return terms
 
 
@@ -46,7 +56,8 @@ def correction_parameters(settings: Dict, hidden_size: int, vocab_size: int,
 
 
 def share_of_7b(settings: Dict) -> Dict:
-    """{parameters, model_parameters, share, within_budget, formula} for the 7B shape."""
+    """{parameters, model_parameters, share, within_budget, formula} for the 7B shape. Adapters on
+    every block of the settings' own model (``depth`` >= ``settings["layers"]``) count all 32 blocks."""
     h, v = SHAPE_7B["hidden_size"], SHAPE_7B["vocab_size"]
     terms = _terms(settings, h, v, SHAPE_7B["intermediate_size"])
     parameters = sum(count for _, count in terms)

@@ -18,6 +18,7 @@ from mergekit_darts.repair.capture.context import CaptureContext
 from mergekit_darts.repair.capture.forward import continue_prompts, eos_ids, forward_hidden, pad_rows
 from mergekit_darts.repair.capture.models import ModelSlot, resolve_model_dir
 from mergekit_darts.repair.capture.prompts import Prompts, check_expert, tokenize_prompts
+from mergekit_darts.repair.capture.synthesize import add_synthesized
 
 LOG = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ class CapturedDomain:
     prompt_lengths: Optional[torch.LongTensor] = None
     # [N, T, H] float32 input of the first adapted decoder block (``depth > 0`` only, repair/depth.py)
     block_inputs: Optional[torch.Tensor] = None
+    # calibration.synthesize: prompts [0, real_prompts) are the user's, the rest the expert's (they
+    # only ever train); None: all the user's. ``synthesis``: what was sampled, kept and rejected
+    real_prompts: Optional[int] = None
+    synthesis: Optional[Dict[str, int]] = None
 
 
 @dataclass
@@ -55,6 +60,9 @@ class DomainCaptureSpec:
     continue_samples: int = 0  # sampled continuations per prompt, besides the greedy one
     continue_temperature: float = 1.0
     sample_seed: int = 0
+    synthesize: int = 0  # prompts the expert writes from the training prompts (capture/synthesize.py)
+    synthesize_temperature: float = 1.0
+    held_out: float = 0.2  # the training's held-out share: held-out prompts never seed a synthesized one
 
 
 @dataclass
@@ -83,7 +91,7 @@ def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec]) -> 
                      ctx.trust_remote_code)
 
     merged = ctx.slot(ctx.merged_dir)
-    experts_first = any(spec.continue_tokens > 0 or spec.continue_samples > 0 for spec in specs)
+    experts_first = any(spec.continue_tokens > 0 or spec.continue_samples > 0 or spec.synthesize > 0 for spec in specs)
     if experts_first:
         expert_out = _capture_experts(specs, expert_dirs, prompts, ctx)
         merged_out = _capture_merged(merged, specs, {n: out[0] for n, out in expert_out.items()}, ctx)
@@ -109,6 +117,7 @@ def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec]) -> 
             # one entry per row: a sampled row repeats its prompt's length
             prompt_lengths=torch.tensor([len(row) for row in prompts[spec.name].ids], dtype=torch.long)
             .repeat(len(ids) // len(prompts[spec.name].ids)),
+            real_prompts=prompts[spec.name].real, synthesis=prompts[spec.name].synthesis,
         )
     return CaptureResult(domains=domains, merged_head=merged_out["head"])
 
@@ -162,6 +171,8 @@ def _capture_experts(specs, expert_dirs, prompts: Dict[str, Prompts], ctx: Captu
         try:
             head = _cached_head(slot, "expert", identity, ctx)
             for spec in (s for s in specs if s.expert == expert):
+                if spec.synthesize:
+                    add_synthesized(slot, identity, prompts[spec.name], spec, ctx)
                 prompt = prompts[spec.name].ids
                 # Keyed by the prompt ids: the continuation is the expert's own output, stored in the entry.
                 key = cache_key("expert", identity, ctx.dtype, ids=prompt, continue_tokens=spec.continue_tokens,

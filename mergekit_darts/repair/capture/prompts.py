@@ -6,7 +6,9 @@ vocabulary and tokenization of the calibration texts (checked from configs and t
 
 import logging
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
+
+import torch
 
 from mergekit_darts.config import SurgeryConfigError
 from mergekit_darts.repair.capture.models import model_sizes
@@ -19,6 +21,17 @@ class Prompts:
     ids: List[List[int]]  # merged-tokenizer ids of the kept texts, truncated to max_positions
     truncated: int = 0
     skipped: int = 0
+    real: Optional[int] = None  # with calibration.synthesize: ids[:real] are the user's, the rest the expert's
+    synthesis: Optional[Dict[str, int]] = None  # what the synthesis sampled, kept and rejected
+
+
+def split_held_out(n: int, share: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(train indices, held-out indices) of ``n`` records; at least one record trains. The capture
+    uses it too: only training prompts seed the expert's synthesized prompts."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    held = int(round(share * n)) if share > 0 and n >= 2 else 0
+    held = min(held, n - 1)
+    return order[held:].sort().values, order[:held].sort().values
 
 
 def encode(tokenizer, text: str, add_special_tokens: Optional[bool]) -> List[int]:

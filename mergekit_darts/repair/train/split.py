@@ -4,9 +4,11 @@ Splits are by prompt: every sampled continuation of a prompt (``calibration.cont
 lands on the same side, so a held-out number never measures a prompt the correction trained on.
 """
 
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
+
+from mergekit_darts.repair.capture.prompts import split_held_out  # noqa: F401  (re-exported)
 
 
 def prompt_count(data) -> int:
@@ -16,12 +18,11 @@ def prompt_count(data) -> int:
     return int(data.merged_hidden.shape[0]) if groups is None else int(groups.max()) + 1
 
 
-def split_held_out(n: int, share: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(train indices, held-out indices) of ``n`` records; at least one record trains."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    held = int(round(share * n)) if share > 0 and n >= 2 else 0
-    held = min(held, n - 1)
-    return order[held:].sort().values, order[:held].sort().values
+def real_prompt_count(data) -> int:
+    """How many of a captured domain's prompts the user wrote; prompts ``[real, prompts)`` were
+    written by the expert (``calibration.synthesize``) and only ever train."""
+    real = getattr(data, "real_prompts", None)
+    return prompt_count(data) if real is None else int(real)
 
 
 def split_rows(data, surgery, seed: int) -> Dict[str, torch.Tensor]:
@@ -35,8 +36,10 @@ def split_rows(data, surgery, seed: int) -> Dict[str, torch.Tensor]:
     n_rows = data.merged_hidden.shape[0]
     groups = getattr(data, "groups", None)
     groups = torch.arange(n_rows) if groups is None else groups
-    prompts = prompt_count(data)
-    train_prompts, held_prompts = split_held_out(prompts, surgery.held_out, seed)
+    prompts, real = prompt_count(data), real_prompt_count(data)
+    # held out among the user's prompts only, the same ones as without synthesized prompts
+    train_prompts, held_prompts = split_held_out(real, surgery.held_out, seed)
+    train_prompts = torch.cat([train_prompts, torch.arange(real, prompts)])
     validation_prompts = train_prompts[:0]
     if surgery.early_stopping or (surgery.lr_candidates and len(surgery.lr_candidates) > 1):
         fit_idx, val_idx = split_held_out(train_prompts.numel(), surgery.validation, seed + 1)
