@@ -172,3 +172,21 @@ def load_tensor(path, name):
 def load_keys(path):
     with safe_open(path, "pt") as handle:
         return set(handle.keys())
+
+
+def test_lm_eval_hf_with_peft_on_the_plain_base(tiny_family, tmp_path):
+    """lm-eval's hf model: pretrained=DEST/base-model, peft=DEST/<domain> gives the domain's loglikelihood."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    out = linear_surgery_output(tiny_family["merged"], tmp_path / "out")
+    dest = tmp_path / "adapters"
+    export_peft(out, str(dest))
+    request = Instance("loglikelihood", {}, ("how many apples are", " left"), 0)
+    with_adapter = HFLM(pretrained=str(dest / "base-model"), peft=str(dest / "math"), device="cpu")
+    remote = HFLM(pretrained=out, trust_remote_code=True, darts_domain="math", device="cpu")
+    plain = HFLM(pretrained=str(dest / "base-model"), device="cpu")
+    [(expected, _)] = remote.loglikelihood([request])
+    [(score, _)] = with_adapter.loglikelihood([request])
+    [(unadapted, _)] = plain.loglikelihood([request])
+    assert score == pytest.approx(expected, abs=1e-4) and abs(unadapted - expected) > 1e-2
