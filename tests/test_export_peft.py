@@ -190,3 +190,31 @@ def test_lm_eval_hf_with_peft_on_the_plain_base(tiny_family, tmp_path):
     [(score, _)] = with_adapter.loglikelihood([request])
     [(unadapted, _)] = plain.loglikelihood([request])
     assert score == pytest.approx(expected, abs=1e-4) and abs(unadapted - expected) > 1e-2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sharded_merge_gets_a_linked_sharded_base(tmp_path, tied):
+    """A merge in several shards: every shard hard-linked into the base under an index of its own."""
+    from transformers import AutoModelForCausalLM
+
+    from mergekit_darts.tiny import make_random_model
+
+    merged = tmp_path / "merged"
+    model = make_random_model(str(tmp_path / "single"), seed=2, tie_word_embeddings=tied)
+    model.save_pretrained(merged, max_shard_size="20KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (merged / name).write_bytes((tmp_path / "single" / name).read_bytes())
+    shards = sorted(n for n in os.listdir(merged) if n.endswith(".safetensors"))
+    assert len(shards) > 1
+    out = linear_surgery_output(str(merged), tmp_path / "out")
+    summary = export_peft(out, str(tmp_path / "adapters"))["base-model"]
+    base = tmp_path / "adapters" / "base-model"
+    assert len(summary["linked"]) == len(shards)
+    assert len(summary["written"]) == (1 if tied else 0)
+    inodes = {os.stat(os.path.join(out, n)).st_ino for n in shards}
+    assert {os.stat(base / n).st_ino for n in summary["linked"]} == inodes
+    index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index.values()) == {*summary["linked"], *summary["written"]}
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain="none").eval()
+    ids = _ids(remote.config.vocab_size, seed=6)
+    assert_same_logits(logits_of(AutoModelForCausalLM.from_pretrained(str(base)).eval(), ids), logits_of(remote, ids))
