@@ -28,6 +28,7 @@ RESERVED_NAMES = ("none", "auto", "router")
 DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 KLTarget = Literal["exact", "topk", "bf16"]
 KLPrecision = Literal["float32", "mixed"]
+RouterKind = Literal["auto", "centroid", "logistic"]
 _MAP_DEVICE = re.compile(r"^(cpu|disk|mps|cuda:\d+)$")
 _MEMORY_KEY = re.compile(r"^(cpu|disk|mps|cuda:\d+|\d+)$")
 _MEMORY_SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMGT]i?B|B)$", re.IGNORECASE)
@@ -162,7 +163,10 @@ class SurgeryConfig(_Strict):
     domains: Dict[str, DomainConfig]
     # automatic domain routing (docs/routing.md)
     router: Optional[bool] = Field(None, strict=True)  # None: true when there are >= 2 domains
-    router_threshold: YamlFloat = Field(0.02, ge=0, le=1)  # chosen by measurement: docs/routing.md
+    # the gate: None = calibrated so that ~router_fallback_rate of in-domain prompts fall back to "none"
+    router_threshold: Optional[YamlFloat] = Field(None, ge=0, le=1)
+    router_fallback_rate: Optional[YamlFloat] = Field(None, ge=0, lt=1)  # None: 0.05 (docs/routing.md)
+    router_kind: RouterKind = "auto"  # auto: centroid or logistic, whichever cross-validates better
     router_eval: Optional[CalibrationConfig] = None  # out-of-domain prompts to measure the fallback on
     # A domain whose held-out metric got worse than the plain merge (or is not finite) is never made
     # the default silently: the model then loads as "none". True keeps default_domain regardless.
@@ -310,6 +314,23 @@ class SurgeryConfig(_Strict):
                 f"{sorted(self.domains) + ['none'] + (['auto'] if self.router_enabled else [])}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _router_settings(self):
+        if self.router_threshold is not None and self.router_fallback_rate is not None:
+            raise ValueError("router_threshold and router_fallback_rate both set the router's gate; give one "
+                             "(router_threshold: a fixed confidence, router_fallback_rate: calibrated)")
+        given = [key for key in ("router_threshold", "router_fallback_rate", "router_kind", "router_eval")
+                 if key in self.model_fields_set and getattr(self, key) is not None]
+        if given and not self.router_enabled:
+            raise ValueError(f"{', '.join(given)} set, but no router is trained (router: false, or a single "
+                             "domain); remove them or set router: true")
+        return self
+
+    @property
+    def router_fallback(self) -> float:
+        """The in-domain share the calibrated gate may send to "none" (used without router_threshold)."""
+        return 0.05 if self.router_fallback_rate is None else self.router_fallback_rate
 
     @property
     def router_enabled(self) -> bool:

@@ -293,18 +293,18 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
 
 
 def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSettings, ctx=None):
-    """Train the domain router on the captured prompt states (docs/routing.md); measure it on the
+    """Train the domain router on the captured prompt states (docs/routing.md): prompt prefixes,
+    classifier and gate chosen in cross-validation on the training records; measured on the
     surgery's held-out records and on ``router_eval`` (or swapped domains). Returns (router, entry)."""
-    from mergekit_darts.repair.router import pooled_prompts, train_router
+    from mergekit_darts.repair.router_train import train_router
 
     # the greedy rows only: a sampled continuation repeats its prompt, whose pooled state would then
     # sit on both sides of the router's held-out split
     # with depth the router reads the first adapted block's input (where the emitted model routes)
     # and the user's prompts only (synthesized ones are the expert's guesses at them)
-    pooled = {name: pooled_prompts(_router_view(data))[:real_prompt_count(data)]
-              for name, data in captured.domains.items()}
-    splits = {name: split_held_out(rows.shape[0], surgery.held_out, settings.seed) for name, rows in pooled.items()}
-    eval_pooled = None
+    states = {name: _router_states(data, real_prompt_count(data)) for name, data in captured.domains.items()}
+    splits = {name: split_held_out(s.records, surgery.held_out, settings.seed) for name, s in states.items()}
+    eval_states = None
     if surgery.router_eval is not None:
         ctx = ctx or capture_context(out_path, surgery, settings)
         eval_data = _capture_router_eval(ctx, surgery, settings)
@@ -312,8 +312,19 @@ def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSe
             from mergekit_darts.repair.capture.block_inputs import capture_block_inputs
 
             capture_block_inputs(ctx, {"router_eval": eval_data}, surgery.depth, check_replay=False)
-        eval_pooled = pooled_prompts(_router_view(eval_data))
-    return train_router(pooled, splits, surgery.router_threshold, eval_pooled=eval_pooled)
+        eval_states = _router_states(eval_data)
+    return train_router(states, splits, threshold=surgery.router_threshold, fallback_rate=surgery.router_fallback,
+                        kind=surgery.router_kind, seed=settings.seed, eval_states=eval_states)
+
+
+def _router_states(data, rows: Optional[int] = None):
+    """The captured prompts as the router sees them: the merged states where the emitted model routes,
+    over the prompt tokens (``rows``: the first rows only)."""
+    from mergekit_darts.repair.router_prefix import PromptStates
+
+    view = _router_view(data)
+    rows = view.merged_hidden.shape[0] if rows is None else rows
+    return PromptStates(view.merged_hidden[:rows], view.prompt_lengths[:rows])
 
 
 def _router_view(data):

@@ -16,6 +16,7 @@ from mergekit_darts.output.export import export_surgery, read_darts_info
 from mergekit_darts.remote_code.routing import NO_ROUTE, DomainRouter, pool_prompt_states, route_rows
 from mergekit_darts.remote_code.surgery import DomainSurgery
 from mergekit_darts.repair.router import confusion, fit_router, pooled_prompts, prompt_mask, route_pooled
+from mergekit_darts.repair.router_prefix import PromptStates, pool_prefixes
 
 DATA = Path(__file__).parent / "data"
 HIDDEN = 32
@@ -111,6 +112,24 @@ def test_config_router_defaults_and_errors_name_the_field():
         parse_surgery_block({"domains": {"router": DOMAINS["math"]}})
 
 
+def test_config_router_gate_settings():
+    surgery = parse_surgery_block({"domains": DOMAINS})
+    assert surgery.router_threshold is None and surgery.router_fallback == 0.05 and surgery.router_kind == "auto"
+    assert parse_surgery_block({"domains": DOMAINS, "router_fallback_rate": "1e-2"}).router_fallback == 0.01
+    assert parse_surgery_block({"domains": DOMAINS, "router_threshold": 0.1}).router_threshold == 0.1
+    with pytest.raises(SurgeryConfigError, match="router_threshold and router_fallback_rate both"):
+        parse_surgery_block({"domains": DOMAINS, "router_threshold": 0.1, "router_fallback_rate": 0.05})
+    for bad in (-0.1, 1.0, True):
+        with pytest.raises(SurgeryConfigError, match="surgery.router_fallback_rate"):
+            parse_surgery_block({"domains": DOMAINS, "router_fallback_rate": bad})
+    with pytest.raises(SurgeryConfigError, match="surgery.router_kind"):
+        parse_surgery_block({"domains": DOMAINS, "router_kind": "mlp"})
+    with pytest.raises(SurgeryConfigError, match="router_kind set, but no router is trained"):
+        parse_surgery_block({"domains": DOMAINS, "router": False, "router_kind": "centroid"})
+    with pytest.raises(SurgeryConfigError, match="router_fallback_rate set, but no router"):
+        parse_surgery_block({"domains": {"math": DOMAINS["math"]}, "router_fallback_rate": 0.1})
+
+
 # --------------------------------------------------------------------------------------------- export
 
 def _modules():
@@ -197,7 +216,12 @@ def test_pipeline_trains_reports_and_exports_router(tiny_family, merged_copy, tm
     assert entry["accuracy"] == {"math": 1.0, "code": 1.0}, entry["confusion"]
     assert entry["out_of_domain"]["source"] == "swapped_domains"
     assert set(entry["out_of_domain"]["by_domain"]) == {"math", "code"}
-    assert any(line.startswith("router (centroid") for line in summary_lines(report))
+    assert entry["kind"] in ("centroid", "logistic") and entry["calibration"]["threshold"] == "conformal"
+    assert list(entry["by_prefix"]) == ["16", "32", "64", "all"] and entry["by_prefix"]["all"]["confusion"] == entry["confusion"]
+    assert entry["out_of_domain"]["by_prefix"]["all"] == entry["out_of_domain"]["none_share"]
+    lines = summary_lines(report)
+    assert any(line.startswith(f"router ({entry['kind']}, threshold") for line in lines)
+    assert any(line.startswith("router by prompt length in tokens (math/code): 16:") for line in lines)
     assert json.load(open(os.path.join(merged_copy, "darts_report.json")))["router"] == entry
     assert read_darts_info(merged_copy)["router"]["confusion"] == entry["confusion"]
 
@@ -213,6 +237,14 @@ def test_pipeline_trains_reports_and_exports_router(tiny_family, merged_copy, tm
         mask = prompt_mask(data)
         training_side = route_pooled(router, pooled_prompts(data))
         assert torch.equal(route_rows(router, data.merged_hidden, mask), training_side)
+        # a prompt cut to its first n tokens routes as the training side's pooled prefix of that length
+        states = PromptStates(data.merged_hidden, data.prompt_lengths)
+        for n in (1, 2, 3):
+            cut = mask & (torch.arange(mask.shape[1]) < n)
+            rows = torch.arange(states.records)
+            prefix = pool_prefixes(states, rows, states.lengths.clamp(max=n))
+            assert torch.allclose(prefix, pool_prompt_states(data.merged_hidden, cut), atol=1e-6)
+            assert torch.equal(route_rows(router, data.merged_hidden, cut), route_pooled(router, prefix))
         _, held = split_held_out(len(data.prompt_lengths), surgery.held_out, 0)
         assert (training_side[held] == index).all()
 
@@ -225,4 +257,5 @@ def test_router_eval_texts_are_captured_on_the_merged_model(tiny_family, merged_
     source = _config(tiny_family, tmp_path).replace(
         "surgery:\n", "surgery:\n  router_eval:\n    texts: " + json.dumps(MATH) + "\n", 1)
     ood = run_surgery(source, merged_copy, progress=False)["router"]["out_of_domain"]
-    assert ood == {"source": "router_eval", "records": len(MATH), "none_share": 0.0}
+    assert ood == {"source": "router_eval", "records": len(MATH), "none_share": 0.0,
+                   "by_prefix": {"16": 0.0, "32": 0.0, "64": 0.0, "all": 0.0}}

@@ -107,35 +107,56 @@ def _pct(value) -> str:
 
 
 def _router_lines(settings: Optional[dict], measured: Optional[dict]) -> list:
-    """The routing section: settings, per-domain accuracy and the confusion matrix (docs/routing.md)."""
+    """The routing section: settings, accuracy and fallback by prompt length, and the confusion
+    matrices (docs/routing.md)."""
     if not settings:
         return []
     measured = measured or {}
     labels = [*settings["domains"], "none"]
     split = "held-out" if measured.get("split") == "held_out" else "training"
+    how = (measured.get("calibration") or {}).get("threshold")
+    rate = (measured.get("calibration") or {}).get("fallback_rate")
+    gate = (f"calibrated so that about {_pct(rate)} of in-domain prompts fall back" if how == "conformal" and rate is not None
+            else "set in the configuration" if how == "explicit" else "the default")
     lines = [
         "",
         "### Automatic domain routing",
         "",
-        f"`darts_domain=\"auto\"` picks each prompt's domain from the merged model's own final hidden states "
+        f"`darts_domain=\"auto\"` picks each prompt's domain from the merged model's own hidden states "
         f"(mean-pooled prompt, {settings['kind']} router); a prompt whose confidence is below "
-        f"{settings['threshold']} gets `none` (the plain merge).",
+        f"{settings['threshold']:.4g} ({gate}) gets `none` (the plain merge).",
         "",
     ]
-    confusion = measured.get("confusion") or {}
-    if confusion:
-        lines += [f"Routing on {split} calibration records (rows: true domain, columns: routed to):", "",
-                  "| Domain | Accuracy | " + " | ".join(f"→ `{label}`" for label in labels) + " |",
+    prefixes = measured.get("by_prefix") or {}
+    if not prefixes and measured.get("confusion"):  # a report written before prefixes were measured
+        prefixes = {"all": {"accuracy": measured.get("accuracy") or {}, "confusion": measured["confusion"]}}
+    if prefixes:
+        names = list(settings["domains"])
+        lines += [f"Routing of {split} calibration records cut to their first 16 / 32 / 64 tokens and whole "
+                  "(routed to their own domain / sent to `none`):", "",
+                  "| Prompt length | " + " | ".join(f"`{name}`" for name in names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for label, summary in prefixes.items():
+            nones = summary.get("none_share") or {}
+            cells = " | ".join(f"{_pct((summary.get('accuracy') or {}).get(n))} / {_pct(nones.get(n))}" for n in names)
+            lines.append(f"| {_length(label)} | {cells} |")
+        lines += ["", "Confusion matrices (rows: true domain, columns: routed to):", "",
+                  "| Prompt length | Domain | " + " | ".join(f"→ `{label}`" for label in labels) + " |",
                   "|---|---|" + "---|" * len(labels)]
-        for name, row in confusion.items():
-            cells = " | ".join(str(row.get(label, 0)) for label in labels)
-            lines.append(f"| `{name}` | {_pct((measured.get('accuracy') or {}).get(name))} | {cells} |")
+        for label, summary in prefixes.items():
+            for name, row in (summary.get("confusion") or {}).items():
+                cells = " | ".join(str(row.get(column, 0)) for column in labels)
+                lines.append(f"| {_length(label)} | `{name}` | {cells} |")
     ood = measured.get("out_of_domain") or {}
     if ood.get("none_share") is not None:
         what = ("the `router_eval` texts" if ood.get("source") == "router_eval" else
                 "each domain's prompts routed by a router trained without that domain")
         lines += ["", f"Out-of-domain prompts sent to `none`: {_pct(ood['none_share'])} (on {what})."]
     return lines
+
+
+def _length(label: str) -> str:
+    return "whole prompt" if label == "all" else f"{label} tokens"
 
 
 def updated_card(out_dir: str, section: str) -> str:

@@ -61,7 +61,7 @@ def _router_info(meta: dict, header: dict, report: dict) -> Optional[dict]:
     mine = {k: v for k, v in header.items() if k.startswith(layout.darts_tensor_name(layout.ROUTER_NAME, ""))}
     info = {**settings, "parameters": layout.numel(mine), "tensors": sorted(mine)}
     measured = report.get(layout.ROUTER_NAME) or {}
-    for key in ("split", "accuracy", "mean_accuracy", "confusion", "out_of_domain"):
+    for key in ("split", "accuracy", "mean_accuracy", "confusion", "by_prefix", "calibration", "out_of_domain"):
         if key in measured:
             info[key] = measured[key]
     return info

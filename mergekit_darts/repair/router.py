@@ -3,9 +3,10 @@
 The router sees what the emitted model sees at prefill: the merged model's final-norm outputs (with
 ``depth: k``, the input of the first adapted block; the pipeline passes those states in) over the
 prompt tokens only (``CapturedDomain.prompt_lengths``; a continued calibration sample's answer
-tokens are left out), pooled by ``remote_code.routing.pool_prompt_states``. Training is closed-form
+tokens are left out), pooled by ``remote_code.routing.pool_prompt_states``. Fitting is closed-form
 (nearest centroid) or a few hundred full-batch L-BFGS steps (logistic regression): seconds on CPU,
-deterministic for a given input.
+deterministic for a given input. What it is fitted on (prompt prefixes), which classifier is kept
+and where the gate sits are chosen in ``router_train``.
 """
 
 import logging
@@ -18,11 +19,13 @@ from mergekit_darts.remote_code.routing import NO_ROUTE, DomainRouter, pool_prom
 
 LOG = logging.getLogger(__name__)
 
-# Chosen by measurement on the demo family (docs/routing.md, benchmarks/router_measure.py).
 DEFAULT_KIND = "centroid"
+# The gate used when it cannot be calibrated (a domain with a single training record); otherwise the
+# threshold is conformal (router_train) or the user's router_threshold.
 DEFAULT_THRESHOLD = 0.02
 _STD_FLOOR = 1e-3  # a domain with one training record (std 0) would reject everything else
 NONE_LABEL = "none"
+_SMALL_PROBLEM = 1 << 22  # features (rows x hidden) below which the logistic fit runs on one thread
 
 
 def prompt_mask(data) -> torch.Tensor:
@@ -65,7 +68,13 @@ def _logistic(features: torch.Tensor, labels: torch.Tensor, classes: int, steps:
         loss.backward()
         return loss
 
-    optimizer.step(closure)
+    threads = torch.get_num_threads()
+    if x.numel() < _SMALL_PROBLEM:  # tiny matmuls: a second thread only spin-waits (slower on a busy CPU)
+        torch.set_num_threads(1)
+    try:
+        optimizer.step(closure)
+    finally:
+        torch.set_num_threads(threads)
     folded = weight.detach() / std
     return folded, bias.detach() - folded @ mean
 
@@ -122,68 +131,32 @@ def none_share(router: DomainRouter, pooled: torch.Tensor) -> Optional[float]:
     return float((route_pooled(router, pooled) == NO_ROUTE).float().mean())
 
 
-def swapped_fallback(train: Dict[str, torch.Tensor], every: Dict[str, torch.Tensor], kind: str,
-                     threshold: float) -> Optional[Dict[str, float]]:
-    """Leave one domain out: a router trained on the other domains routes all of the left-out
-    domain's prompts; the share sent to "none" is how often an unknown domain falls back to the
-    plain merge. None with a single domain (nothing to leave out)."""
-    if len(train) < 2:
-        return None
-    shares = {}
-    for name in train:
-        others = {other: rows for other, rows in train.items() if other != name}
-        shares[name] = none_share(fit_router(others, kind=kind, threshold=threshold), every[name])
-    return shares
-
-
-def train_router(pooled: Dict[str, torch.Tensor], splits: Dict[str, Tuple[torch.Tensor, torch.Tensor]],
-                 threshold: float, kind: str = DEFAULT_KIND,
-                 eval_pooled: Optional[torch.Tensor] = None) -> Tuple[DomainRouter, dict]:
-    """Fit on each domain's training records, measure on its held-out records.
-
-    ``splits``: {domain: (train indices, held-out indices)} (the surgery's own split, so the router
-    is measured on the records the corrections were measured on). ``eval_pooled``: pooled prompts
-    of ``router_eval`` texts (out-of-domain), or None to measure on swapped domains instead.
-    Returns (router, its darts_report.json entry)."""
-    train = {name: rows[splits[name][0]] for name, rows in pooled.items()}
-    held = {name: rows[splits[name][1]] for name, rows in pooled.items()}
-    split = "held_out" if all(rows.shape[0] for rows in held.values()) else "train"
-    measured = held if split == "held_out" else train
-    router = fit_router(train, kind=kind, threshold=threshold)
-    table = confusion(router, measured)
-    per_domain = accuracy(table)
-    total = sum(sum(row.values()) for row in table.values())
-    entry = {
-        **router.to_meta(),
-        "split": split,
-        "records": {name: int(rows.shape[0]) for name, rows in measured.items()},
-        "accuracy": per_domain,
-        "mean_accuracy": sum(row[name] for name, row in table.items()) / total if total else None,
-        "confusion": table,
-    }
-    if eval_pooled is not None:
-        entry["out_of_domain"] = {"source": "router_eval", "records": int(eval_pooled.shape[0]),
-                                  "none_share": none_share(router, eval_pooled)}
-    else:
-        shares = swapped_fallback(train, pooled, kind, threshold)
-        if shares is not None:
-            values = [v for v in shares.values() if v is not None]
-            entry["out_of_domain"] = {"source": "swapped_domains", "by_domain": shares,
-                                      "none_share": sum(values) / len(values) if values else None}
-    LOG.info("router: %s accuracy %s", split, {k: (None if v is None else round(v, 3)) for k, v in per_domain.items()})
-    return router, entry
-
-
 def summary_lines(entry: dict) -> List[str]:
-    """Console lines for the pipeline summary."""
+    """Console lines for the pipeline summary: the whole-prompt accuracy and confusion, then the
+    accuracy and fallback at each measured prefix length, then the out-of-domain fallback."""
     accuracies = routing_accuracy(entry)
     split = "held-out" if entry.get("split") == "held_out" else "training-set"
-    lines = [f"router ({entry.get('kind')}, threshold {entry.get('threshold')}): {split} routing accuracy {accuracies}"]
+    how = (entry.get("calibration") or {}).get("threshold")
+    gate = f"threshold {entry.get('threshold'):.4g}" + (f" ({how})" if how else "")
+    lines = [f"router ({entry.get('kind')}, {gate}): {split} routing accuracy {accuracies}"]
     labels: Sequence[str] = [*entry.get("domains", []), NONE_LABEL]
     for name, row in entry.get("confusion", {}).items():
         lines.append(f"router confusion {name}: " + " ".join(f"{label}={row.get(label, 0)}" for label in labels))
+    prefixes = entry.get("by_prefix") or {}
+    if prefixes:
+        cells = []
+        for label, summary in prefixes.items():
+            right = "/".join(_pct(v) for v in summary["accuracy"].values())
+            none = "/".join(_pct(v) for v in summary["none_share"].values())
+            cells.append(f"{label}: {right} (none {none})")
+        order = "/".join(entry.get("domains", []))
+        lines.append(f"router by prompt length in tokens ({order}): " + "; ".join(cells))
     ood = entry.get("out_of_domain")
     if ood and ood.get("none_share") is not None:
         what = "router_eval texts" if ood["source"] == "router_eval" else "left-out domains (swapped)"
         lines.append(f"router: {100 * ood['none_share']:.1f}% of out-of-domain prompts ({what}) fall back to none")
     return lines
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
