@@ -247,7 +247,10 @@ class SurgeryConfig(_Strict):
             ("depth_rank", self.depth == 0, "depth", "depth_rank is used only with depth > 0"),
             *[(key, not self.router_enabled, "router",
                f"{key} is used only with the router (router: true; it is off by default with one domain)")
-              for key in ("router_threshold", "router_eval")],
+              for key in ("router_threshold", "router_fallback_rate", "router_kind", "router_eval")],
+            ("router_fallback_rate", self.router_threshold is not None, "router_threshold",
+             "router_threshold fixes the gate, so the calibration to router_fallback_rate would be ignored; "
+             "give one of them"),
         ]
         for key, ignored, other, why in rules:
             if key in given and ignored:
@@ -313,18 +316,6 @@ class SurgeryConfig(_Strict):
                 f"default_domain {self.default_domain!r} is not a domain; choose one of "
                 f"{sorted(self.domains) + ['none'] + (['auto'] if self.router_enabled else [])}"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _router_settings(self):
-        if self.router_threshold is not None and self.router_fallback_rate is not None:
-            raise ValueError("router_threshold and router_fallback_rate both set the router's gate; give one "
-                             "(router_threshold: a fixed confidence, router_fallback_rate: calibrated)")
-        given = [key for key in ("router_threshold", "router_fallback_rate", "router_kind", "router_eval")
-                 if key in self.model_fields_set and getattr(self, key) is not None]
-        if given and not self.router_enabled:
-            raise ValueError(f"{', '.join(given)} set, but no router is trained (router: false, or a single "
-                             "domain); remove them or set router: true")
         return self
 
     @property

@@ -117,16 +117,16 @@ def test_config_router_gate_settings():
     assert surgery.router_threshold is None and surgery.router_fallback == 0.05 and surgery.router_kind == "auto"
     assert parse_surgery_block({"domains": DOMAINS, "router_fallback_rate": "1e-2"}).router_fallback == 0.01
     assert parse_surgery_block({"domains": DOMAINS, "router_threshold": 0.1}).router_threshold == 0.1
-    with pytest.raises(SurgeryConfigError, match="router_threshold and router_fallback_rate both"):
+    with pytest.raises(SurgeryConfigError, match="router_fallback_rate together with router_threshold"):
         parse_surgery_block({"domains": DOMAINS, "router_threshold": 0.1, "router_fallback_rate": 0.05})
     for bad in (-0.1, 1.0, True):
         with pytest.raises(SurgeryConfigError, match="surgery.router_fallback_rate"):
             parse_surgery_block({"domains": DOMAINS, "router_fallback_rate": bad})
     with pytest.raises(SurgeryConfigError, match="surgery.router_kind"):
         parse_surgery_block({"domains": DOMAINS, "router_kind": "mlp"})
-    with pytest.raises(SurgeryConfigError, match="router_kind set, but no router is trained"):
+    with pytest.raises(SurgeryConfigError, match="router_kind together with router: router_kind is used only with the router"):
         parse_surgery_block({"domains": DOMAINS, "router": False, "router_kind": "centroid"})
-    with pytest.raises(SurgeryConfigError, match="router_fallback_rate set, but no router"):
+    with pytest.raises(SurgeryConfigError, match="router_fallback_rate together with router"):
         parse_surgery_block({"domains": {"math": DOMAINS["math"]}, "router_fallback_rate": 0.1})
 
 
