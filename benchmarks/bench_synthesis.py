@@ -28,7 +28,10 @@ SYNTHESIZED = 450
 CONDITIONS = {
     "real50": {},
     "real500": {"path": "{demo}/calib500_{domain}.jsonl", "samples": 500},
-    "synth500": {"synthesize": SYNTHESIZED},
+    # the prompts written by the merge's base model and answered by the expert: the demo's experts,
+    # fine-tuned on answers only, no longer write prompts (docs/quality.md); "synth500x": by the experts
+    "synth500": {"synthesize": SYNTHESIZED, "synthesize_writer": "{base}"},
+    "synth500x": {"synthesize": SYNTHESIZED},
 }
 VARIANTS = {
     "kl": {"loss": "kl"},
@@ -71,7 +74,7 @@ def configure(demo_dir: str, condition: str, variant: str, seed: int):
     with open(os.path.join(demo_dir, "demo.yml")) as handle:
         data = yaml.safe_load(handle)
     for domain, entry in data["surgery"]["domains"].items():
-        extra = {k: v.format(demo=demo_dir, domain=domain) if isinstance(v, str) else v
+        extra = {k: v.format(demo=demo_dir, domain=domain, base=data["base_model"]) if isinstance(v, str) else v
                  for k, v in CONDITIONS[condition].items()}
         entry["calibration"] = {**entry["calibration"], **extra}
     _, surgery = parse_config_source(yaml.safe_dump(data, sort_keys=False), {**VARIANTS[variant], "seed": seed})
@@ -140,7 +143,7 @@ def run_one(demo_dir: str, condition: str, variant: str, seed: int, score: bool,
               f"exact {b['before']['exact_match']:.2f}->{b['after']['exact_match']:.2f} "
               f"top1 {b['after']['top1_agreement']:.3f} ({entry['train_seconds']:.0f} s)", flush=True)
     result["share_7b"] = share_of_7b(report["surgery"])
-    if condition == "synth500":
+    if condition.startswith("synth"):
         result["test_overlap"] = test_overlap(captured, __import__("transformers").AutoTokenizer.from_pretrained(out), test)
     if score:
         router = None
@@ -173,6 +176,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=list(CONDITIONS))
     parser.add_argument("--variants", nargs="+", default=["kl", "best", "best_all8"], choices=list(VARIANTS))
+    parser.add_argument("--plan", nargs="*", default=None,
+                        help="CONDITION:VARIANT,VARIANT,... entries (instead of --conditions x --variants)")
     parser.add_argument("--score", action="store_true", help="export every run and score it on the test sets")
     parser.add_argument("--references", action="store_true", help="also score the experts and the plain merge")
     parser.add_argument("--tag", default="synthesis")
@@ -196,15 +201,19 @@ def main() -> None:
     test = load_test(demo_dir)
     if args.references and "references" not in run:
         run["references"] = score_references(demo_dir, test)
+    plan = [(c, v) for c in args.conditions for v in args.variants]
+    if args.plan:
+        plan = [(entry.split(":")[0], v) for entry in args.plan for v in entry.split(":")[1].split(",")]
+        run["conditions"] = {c: CONDITIONS[c] for c, _ in plan}
+        run["variants"] = {v: VARIANTS[v] for _, v in plan}
     for seed in args.seeds:
-        for condition in args.conditions:
-            for variant in args.variants:
-                done = run["results"].get(condition, {}).get(variant, {})
-                if str(seed) in done and (done[str(seed)].get("scores") or not args.score):
-                    continue  # measured by an earlier, interrupted run with the same tag
-                result = run_one(demo_dir, condition, variant, seed, args.score, test)
-                run["results"].setdefault(condition, {}).setdefault(variant, {})[str(seed)] = result
-                save(path, args.tag, run)
+        for condition, variant in plan:
+            done = run["results"].get(condition, {}).get(variant, {})
+            if str(seed) in done and (done[str(seed)].get("scores") or not args.score):
+                continue  # measured by an earlier, interrupted run with the same tag
+            result = run_one(demo_dir, condition, variant, seed, args.score, test)
+            run["results"].setdefault(condition, {}).setdefault(variant, {})[str(seed)] = result
+            save(path, args.tag, run)
     print(f"wrote {path} [{args.tag}]")
 
 

@@ -97,6 +97,13 @@ class CalibrationConfig(_Strict):
     # prompts the expert writes from the training prompts, then answers like the user's (docs/quality.md)
     synthesize: StrictInt = Field(0, ge=0, le=10_000_000)
     synthesize_temperature: YamlFloat = Field(1.0, gt=0, allow_inf_nan=False)
+    synthesize_writer: Optional[str] = None  # the model that writes them (None: the domain's expert)
+
+    @model_validator(mode="after")
+    def _writer_needs_synthesize(self):
+        if self.synthesize_writer is not None and self.synthesize == 0:
+            raise ValueError("synthesize_writer needs synthesize > 0 (how many prompts it writes)")
+        return self
 
     @model_validator(mode="after")
     def _no_ignored_keys(self):

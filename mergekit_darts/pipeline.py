@@ -281,6 +281,7 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
                                        sample_seed=settings.seed,
                                        synthesize=domain.calibration.synthesize,
                                        synthesize_temperature=domain.calibration.synthesize_temperature,
+                                       synthesize_writer=domain.calibration.synthesize_writer,
                                        held_out=surgery.held_out,
                                        add_special_tokens=not domain.calibration.chat_template))
     captured = capture_domains(ctx, specs)

@@ -93,8 +93,9 @@ TEXTS = ["what is 1 plus 2 ?", "how many apples are left", "add 3 and 4", "the s
          "count the apples", "what is 5 minus 1 ?"]
 
 
-def _config(family, cache, synthesize):
+def _config(family, cache, synthesize, writer=None):
     extra = f", synthesize: {synthesize}" if synthesize else ""
+    extra += f", synthesize_writer: {writer}" if writer else ""
     return merge_yaml(family) + (
         "surgery:\n  rank: 2\n  max_positions: 24\n  steps: 5\n  loss: kl\n  device: cpu\n  dtype: float32\n"
         f"  seed: 0\n  held_out: 0.5\n  cache_dir: {cache}\n  domains:\n"
@@ -130,3 +131,28 @@ def test_synthesize_is_validated():
     with pytest.raises(ValueError, match="synthesize"):
         CalibrationConfig(texts=["a"], synthesize=-1)
     assert CalibrationConfig(texts=["a"], synthesize=3).synthesize == 3
+    with pytest.raises(ValueError, match="synthesize_writer needs synthesize > 0"):
+        CalibrationConfig(texts=["a"], synthesize_writer="base")
+
+
+def test_another_model_can_write_the_prompts(tiny_family, tmp_path):
+    """``synthesize_writer``: the base model writes, the expert answers; a writer of another family is
+    refused with the field's name."""
+    from mergekit_darts.errors import SurgeryConfigError
+    from mergekit_darts.pipeline import run_surgery
+    from mergekit_darts.tiny import make_random_model
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_family["merged"], out)
+    by_expert = run_surgery(_config(tiny_family, tmp_path / "cache", 4), str(out))["domains"]["math"]
+    by_base = run_surgery(_config(tiny_family, tmp_path / "cache", 4, tiny_family["base"]), str(out))["domains"]["math"]
+    assert by_base["calibration"]["synthesis"]["kept"] > 0
+    assert by_base["calibration"]["held_out"] == by_expert["calibration"]["held_out"]
+    # cached per writer (the tiny experts are the base plus a small delta: they may sample alike)
+    assert len(list((tmp_path / "cache").glob("synthesized.math.*.safetensors"))) == 2
+    other = tmp_path / "other"
+    make_random_model(str(other), seed=3, vocab_size=77)
+    with pytest.raises(SurgeryConfigError, match="calibration.synthesize_writer: .*vocabulary"):
+        run_surgery(_config(tiny_family, tmp_path / "cache", 4, other), str(out))
+    with pytest.raises(SurgeryConfigError, match="calibration.synthesize_writer: .*neither a local directory"):
+        run_surgery(_config(tiny_family, tmp_path / "cache", 4, tmp_path / "missing"), str(out))

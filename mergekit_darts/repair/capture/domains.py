@@ -18,7 +18,7 @@ from mergekit_darts.repair.capture.context import CaptureContext
 from mergekit_darts.repair.capture.forward import continue_prompts, eos_ids, forward_hidden, pad_rows
 from mergekit_darts.repair.capture.models import ModelSlot, resolve_model_dir
 from mergekit_darts.repair.capture.prompts import Prompts, check_expert, tokenize_prompts
-from mergekit_darts.repair.capture.synthesize import add_synthesized
+from mergekit_darts.repair.capture.synthesize import add_synthesized, writer_slot
 
 LOG = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class DomainCaptureSpec:
     sample_seed: int = 0
     synthesize: int = 0  # prompts the expert writes from the training prompts (capture/synthesize.py)
     synthesize_temperature: float = 1.0
+    synthesize_writer: Optional[str] = None  # the model that writes them (None: the expert)
     held_out: float = 0.2  # the training's held-out share: held-out prompts never seed a synthesized one
 
 
@@ -90,6 +91,9 @@ def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec]) -> 
         check_expert(spec, expert_dirs[spec.expert], (ctx.hidden_size, ctx.vocab_size), ctx.tokenizer,
                      ctx.trust_remote_code)
 
+    for spec in specs:  # prompts written by another model than the expert: before any expert loads
+        if spec.synthesize and spec.synthesize_writer is not None:
+            add_synthesized(writer_slot(ctx, spec), None, prompts[spec.name], spec, ctx)
     merged = ctx.slot(ctx.merged_dir)
     experts_first = any(spec.continue_tokens > 0 or spec.continue_samples > 0 or spec.synthesize > 0 for spec in specs)
     if experts_first:
@@ -171,7 +175,7 @@ def _capture_experts(specs, expert_dirs, prompts: Dict[str, Prompts], ctx: Captu
         try:
             head = _cached_head(slot, "expert", identity, ctx)
             for spec in (s for s in specs if s.expert == expert):
-                if spec.synthesize:
+                if spec.synthesize and spec.synthesize_writer is None:
                     add_synthesized(slot, identity, prompts[spec.name], spec, ctx)
                 prompt = prompts[spec.name].ids
                 # Keyed by the prompt ids: the continuation is the expert's own output, stored in the entry.

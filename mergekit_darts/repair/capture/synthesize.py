@@ -1,6 +1,7 @@
 """Calibration prompts written by the expert (``calibration.synthesize: N``, docs/quality.md).
 
-The expert writes ``N`` new prompts of its domain from the user's training prompts: it samples a
+The expert (or ``calibration.synthesize_writer``, e.g. the merge's base model, for an expert that no
+longer writes prompts well) writes ``N`` new prompts of its domain from the user's training prompts: it samples a
 continuation of the first tokens of a randomly chosen user prompt (the part every user prompt shares,
 such as BOS or a chat template's header, plus 1 to half of the rest) until the prompts' common ending
 (the longest token suffix every user prompt shares, e.g. ``answer :`` or the chat template's
@@ -35,6 +36,7 @@ LOG = logging.getLogger(__name__)
 
 NEAR_DUPLICATE = 0.9  # difflib ratio over content tokens at or above which a candidate copies a held-out prompt
 MAX_ROUNDS = 12  # sampling rounds before giving up on reaching N
+MAX_SAMPLES = 20  # ... or once this many samples per requested prompt were drawn
 LONGEST = 1.25  # a candidate may be this much longer than the longest user prompt
 REJECTIONS = ("incomplete", "length", "special", "duplicate", "near_held_out")
 
@@ -144,7 +146,7 @@ def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], cou
     kept: List[List[int]] = []
     sampled = 0
     for round_ in range(MAX_ROUNDS):
-        if len(kept) >= count:
+        if len(kept) >= count or sampled >= MAX_SAMPLES * count:
             break
         # twice what is missing, more once the acceptance rate is known (at most 8x)
         rate = len(kept) / sampled if sampled else 0.5
@@ -173,28 +175,62 @@ def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], cou
 
 
 STATS = ("requested", "kept", "sampled", *REJECTIONS)
+SYNTHESIS_VERSION = 2  # bump when the sampling or the filters change: cached prompts are then rewritten
 
 
-def add_synthesized(slot, identity: dict, prompts: Prompts, spec, ctx) -> None:
-    """Append ``spec.synthesize`` prompts written by the expert in ``slot`` to ``prompts`` (cached:
-    keyed by the expert, the user's prompt ids and every setting that changes the result)."""
+def writer_slot(ctx, spec):
+    """The slot of ``calibration.synthesize_writer``, checked to share the merged model's vocabulary and
+    tokenization (its ids are read with the merged tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from mergekit_darts.config import SurgeryConfigError
+    from mergekit_darts.repair.capture.models import model_sizes, resolve_model_dir
+    from mergekit_darts.repair.capture.prompts import encode
+
+    where = f"surgery.domains.{spec.name}.calibration.synthesize_writer"
+    try:
+        model_dir = resolve_model_dir(spec.synthesize_writer)
+    except SurgeryConfigError as error:
+        raise SurgeryConfigError(f"{where}: {error}") from None
+    vocab = model_sizes(model_dir, ctx.trust_remote_code)[1]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=ctx.trust_remote_code)
+    text = next((t for t in spec.texts if t.strip()), "")
+    if vocab != ctx.vocab_size or encode(tokenizer, text, spec.add_special_tokens) != encode(
+            ctx.tokenizer, text, spec.add_special_tokens):
+        raise SurgeryConfigError(
+            f"{where}: {spec.synthesize_writer!r} does not share the merged model's vocabulary and tokenizer "
+            f"(vocabulary {vocab} vs {ctx.vocab_size}); use a model of the same family, e.g. the merge's base model")
+    return ctx.slot(model_dir)
+
+
+def add_synthesized(slot, identity, prompts: Prompts, spec, ctx) -> None:
+    """Append ``spec.synthesize`` prompts written by the model in ``slot`` (the expert, or
+    ``synthesize_writer``) to ``prompts``; cached, keyed by that model, the user's prompt ids and
+    every setting that changes the result. ``identity``: the model's cache identity (None: read it)."""
+    from mergekit_darts.repair.capture.cache import model_identity
+
+    identity = identity if identity is not None else model_identity(slot.model_dir)
     real = prompts.ids[:prompts.real] if prompts.real is not None else list(prompts.ids)
     train_idx, held_idx = split_held_out(len(real), spec.held_out, spec.sample_seed)
     train, held = [real[i] for i in train_idx.tolist()], [real[i] for i in held_idx.tolist()]
     key = cache_key("synthesized", identity, ctx.dtype, ids=real, synthesize=spec.synthesize,
                     temperature=spec.synthesize_temperature, seed=spec.sample_seed, held_out=spec.held_out,
-                    near_duplicate=NEAR_DUPLICATE, max_positions=ctx.max_positions)
+                    near_duplicate=NEAR_DUPLICATE, max_positions=ctx.max_positions, version=SYNTHESIS_VERSION)
     label = f"synthesized.{spec.name}"
     expected = {"input_ids": ((None, None), torch.long), "lengths": ((None,), torch.long),
                 "stats": ((len(STATS),), torch.long)}
     entry = ctx.cache.load(label, key, expected)
     if entry is None:
-        model = slot.get()
-        rows, stats = synthesize_prompts(
-            model, train, held, spec.synthesize, ctx, temperature=spec.synthesize_temperature,
-            seed=spec.sample_seed, stop_ids=eos_ids(model), special_ids=set(ctx.tokenizer.all_special_ids),
-            desc=f"synthesize · {spec.name}")
-        del model
+        try:
+            model = slot.get()
+            rows, stats = synthesize_prompts(
+                model, train, held, spec.synthesize, ctx, temperature=spec.synthesize_temperature,
+                seed=spec.sample_seed, stop_ids=eos_ids(model), special_ids=set(ctx.tokenizer.all_special_ids),
+                desc=f"synthesize · {spec.name}")
+            del model
+        finally:
+            if spec.synthesize_writer is not None:
+                slot.free()  # the writer is not needed again; an expert's slot stays for its capture
         entry = {"input_ids": pad_rows(rows, ctx.pad_id)[0] if rows else torch.zeros((0, 1), dtype=torch.long),
                  "lengths": torch.tensor([len(row) for row in rows], dtype=torch.long),
                  "stats": torch.tensor([stats[name] for name in STATS], dtype=torch.long)}
