@@ -36,6 +36,9 @@ CONDITIONS = {
 VARIANTS = {
     "kl": {"loss": "kl"},
     "best": {"loss": "kl", "rank": 64},  # today's preset: best
+    # the same in minibatches of 50 rows (with the 40 training rows of 50 prompts: the same as above)
+    "kl_b50": {"loss": "kl", "batch_size": 50},
+    "best_b50": {"loss": "kl", "rank": 64, "batch_size": 50},
     # adapters on every linear of all 4 blocks, minibatches of 50 (the demo's layer count is 4)
     "kl_all8": {"loss": "kl", "depth": 4, "depth_rank": 8, "batch_size": 50},
     "best_all8": {"loss": "kl", "rank": 64, "depth": 4, "depth_rank": 8, "batch_size": 50},
@@ -160,13 +163,17 @@ def run_one(demo_dir: str, condition: str, variant: str, seed: int, score: bool,
 
 
 def save(path: str, tag: str, run: dict) -> None:
-    """Write ``run`` under ``tag``, keeping what other runs (tags) wrote to the file meanwhile."""
-    stored = json.load(open(path)) if os.path.exists(path) else {}
-    stored.setdefault("runs", {})[tag] = run
-    tmp = path + ".tmp"
-    with open(tmp, "w") as handle:
-        json.dump(stored, handle, indent=1)
-    os.replace(tmp, path)
+    """Write ``run`` under ``tag``, keeping what other runs (tags, other processes) wrote meanwhile."""
+    import fcntl
+
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stored = json.load(open(path)) if os.path.exists(path) else {}
+        stored.setdefault("runs", {})[tag] = run
+        tmp = path + ".tmp"
+        with open(tmp, "w") as handle:
+            json.dump(stored, handle, indent=1)
+        os.replace(tmp, path)
 
 
 def main() -> None:
@@ -190,9 +197,10 @@ def main() -> None:
     demo_dir = os.path.abspath(args.demo_dir)
     path = os.path.join(RESULTS_DIR, "quality_synthesis.json")
     run = (json.load(open(path)) if os.path.exists(path) else {}).get("runs", {}).get(args.tag, {})
-    run.update({"command": " ".join(sys.argv), "machine": machine_info(),
-                "conditions": {c: CONDITIONS[c] for c in args.conditions},
-                "variants": {v: VARIANTS[v] for v in args.variants}})
+    # every invocation that added to this tag, in order (an interrupted sweep is resumed with another plan)
+    run.setdefault("commands", []).append({"command": " ".join(sys.argv), "machine": machine_info()})
+    run.setdefault("conditions", {}).update({c: CONDITIONS[c] for c in args.conditions})
+    run.setdefault("variants", {}).update({v: VARIANTS[v] for v in args.variants})
     run.setdefault("results", {})
     if args.prepare:
         os.makedirs(demo_dir, exist_ok=True)
@@ -204,8 +212,8 @@ def main() -> None:
     plan = [(c, v) for c in args.conditions for v in args.variants]
     if args.plan:
         plan = [(entry.split(":")[0], v) for entry in args.plan for v in entry.split(":")[1].split(",")]
-        run["conditions"] = {c: CONDITIONS[c] for c, _ in plan}
-        run["variants"] = {v: VARIANTS[v] for _, v in plan}
+        run["conditions"].update({c: CONDITIONS[c] for c, _ in plan})
+        run["variants"].update({v: VARIANTS[v] for _, v in plan})
     for seed in args.seeds:
         for condition, variant in plan:
             done = run["results"].get(condition, {}).get(variant, {})

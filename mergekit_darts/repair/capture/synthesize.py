@@ -135,8 +135,8 @@ def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], cou
                        temperature: float, seed: int, stop_ids: set, special_ids: set, desc: str,
                        threshold: float = NEAR_DUPLICATE) -> Tuple[List[List[int]], Dict[str, int]]:
     """``count`` new prompts (token ids) written by ``model`` from the ``train`` prompts; never one
-    that is a ``held`` prompt's near duplicate. Returns (prompts, {"requested", "kept", "sampled",
-    and each rejection reason: count}). Fewer than ``count`` (logged) when the expert does not write
+    that is a ``held`` prompt's near duplicate. Returns (prompts, {"requested", "kept", "sampled" (the
+    samples examined), and each rejection reason: count}). Fewer than ``count`` (logged) when the expert does not write
     enough acceptable prompts in ``MAX_ROUNDS`` rounds."""
     if not train:
         raise ValueError("synthesize: needs at least one training prompt to start from")
@@ -159,10 +159,10 @@ def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], cou
         budget = max(1, checks.longest - min(len(p) for p in prefixes))
         samples = continue_prompts(model, prefixes, budget, ctx, stop_ids, f"{desc} (round {round_ + 1})",
                                    temperature=temperature, seed=seed + 7919 * round_)
-        sampled += draws
         for prefix, row, sample in zip(prefixes, chosen, samples):
             if len(kept) >= count:
                 break
+            sampled += 1
             stopped = len(sample) - len(prefix) < min(budget, ctx.max_positions - len(prefix))
             candidate = checks.complete(sample, len(prefix), row, stopped, stop_ids)
             if checks.keep(candidate):
@@ -175,7 +175,7 @@ def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], cou
 
 
 STATS = ("requested", "kept", "sampled", *REJECTIONS)
-SYNTHESIS_VERSION = 2  # bump when the sampling or the filters change: cached prompts are then rewritten
+SYNTHESIS_VERSION = 3  # bump when the sampling or the filters change: cached prompts are then rewritten
 
 
 def writer_slot(ctx, spec):
