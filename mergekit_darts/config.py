@@ -197,7 +197,7 @@ class SurgeryConfig(_Strict):
     refit: bool = Field(True, strict=True)
     # adapters inside the merged model's last `depth` decoder blocks (0: the final state only),
     # rank `depth_rank`, trained from the blocks' cached input (docs/quality.md)
-    depth: StrictInt = Field(0, ge=0, le=MAX_DEPTH)
+    depth: Union[Annotated[int, Field(strict=True, ge=0, le=MAX_DEPTH)], Literal["all"]] = 0  # "all": every block
     depth_rank: StrictInt = Field(8, gt=0, le=MAX_RANK)
 
     @field_validator("device_map")

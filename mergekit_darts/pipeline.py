@@ -198,6 +198,7 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
                      texts: Optional[Dict[str, List[str]]] = None) -> dict:
     """capture → train each domain → export on a merged directory. Atomic: on failure ``out_path``
     stays a plain merge. ``texts``: each domain's calibration texts as the pre-merge checks loaded them."""
+    surgery = resolve_depth(surgery, out_path, settings.trust_remote_code)
     ctx = capture_context(out_path, surgery, settings)
     captured = capture_step(out_path, surgery, settings, texts, ctx=ctx)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
@@ -217,6 +218,17 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     default = _checked_default(report, surgery)
     export_step(out_path, surgery, modules, report, router, default_domain=default)
     return report
+
+
+def resolve_depth(surgery: SurgeryConfig, model_dir: str, trust_remote_code: bool = False) -> SurgeryConfig:
+    """``depth: all`` made the merged model's number of decoder layers (every other setting as is)."""
+    if surgery.depth != "all":
+        return surgery
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return surgery.model_copy(update={"depth": int(config.num_hidden_layers)})
 
 
 def _split_label(entry: dict) -> str:

@@ -92,7 +92,7 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
                 "a rank above the hidden size adds parameters but no capacity"
             )
     layers = getattr(reference, "num_hidden_layers", None)
-    if isinstance(layers, int) and surgery.depth > layers:
+    if isinstance(layers, int) and isinstance(surgery.depth, int) and surgery.depth > layers:
         raise SurgeryConfigError(
             f"surgery.depth: {surgery.depth} exceeds the merged model's {layers} decoder layers ({reference_name}); "
             f"use at most depth: {layers}")

@@ -21,7 +21,7 @@ def test_all_blocks_train_from_the_embeddings_in_minibatches(tiny_family, tmp_pa
     layers = AutoModelForCausalLM.from_pretrained(tiny_family["merged"]).config.num_hidden_layers
     texts = QUICK_TEXTS["math"] + QUICK_TEXTS["code"]
     config = merge_yaml(tiny_family) + (
-        f"surgery:\n  rank: 2\n  max_positions: 16\n  steps: 12\n  lr: 0.01\n  loss: kl\n  depth: {layers}\n"
+        "surgery:\n  rank: 2\n  max_positions: 16\n  steps: 12\n  lr: 0.01\n  loss: kl\n  depth: all\n"
         "  depth_rank: 2\n  batch_size: 2\n  held_out: 0.34\n  device: cpu\n  dtype: float32\n"
         f"  cache_dir: {tmp_path / 'cache'}\n  domains:\n    math:\n      model: {tiny_family['math']}\n"
         f"      calibration: {{texts: {texts}, samples: 6, continue_tokens: 2}}\n")
@@ -29,7 +29,7 @@ def test_all_blocks_train_from_the_embeddings_in_minibatches(tiny_family, tmp_pa
     entry = report["domains"]["math"]
     assert entry["calibration"]["train"] == 4  # > batch_size: the steps ran on minibatches
     assert entry["held_out_kl"]["after"] < entry["held_out_kl"]["before"]
-    assert report["surgery"]["layers"] == layers
+    assert report["surgery"]["layers"] == layers and report["surgery"]["depth"] == layers  # "all" resolved
 
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     surgery = model.darts["math"]
@@ -51,7 +51,8 @@ def test_all_blocks_train_from_the_embeddings_in_minibatches(tiny_family, tmp_pa
     budget = share_of_7b(report["surgery"])
     assert budget["parameters"] == 2 * 2 * 4096 + 16 * 4096 + 32 * 2 * 78080
     assert "32 (all)·2·78080" in budget["formula"]
-    assert describe_share(budget) in render_report(str(out), plot=False)
+    table = render_report(str(out), plot=False)
+    assert "32 (all)·2·78080" in table and describe_share(budget).split(":")[0] in table
 
 
 def test_share_counts_only_the_adapted_blocks_when_some_are_left():
@@ -65,3 +66,13 @@ def test_share_counts_only_the_adapted_blocks_when_some_are_left():
     assert share_of_7b({**settings, "depth": 4, "depth_rank": 1, "layers": 4})["share"] == pytest.approx(
         (2 * 64 * 4096 + 512 * 4096 + 32 * 78080) / every["model_parameters"])
     assert share_of_7b({**settings, "depth": 4, "depth_rank": 1, "layers": 4})["within_budget"]
+
+
+def test_depth_all_is_the_only_word():
+    from mergekit_darts.config import parse_surgery_block
+    from mergekit_darts.errors import SurgeryConfigError
+
+    block = {"domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}}
+    assert parse_surgery_block({**block, "depth": "all"}).depth == "all"
+    with pytest.raises(SurgeryConfigError, match="surgery.depth"):
+        parse_surgery_block({**block, "depth": "most"})
