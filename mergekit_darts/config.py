@@ -224,12 +224,6 @@ class SurgeryConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _depth_on_one_device(self):
-        if self.depth and self.device_map is not None:
-            raise ValueError("depth > 0 trains the last blocks in memory on one device and is not supported with "
-                             "device_map yet; remove device_map or set depth: 0")
-        return self
-
     @model_validator(mode="after")
     def _no_ignored_options(self):
         """An option this run would ignore is an error naming both keys (it was accepted silently)."""

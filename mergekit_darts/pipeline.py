@@ -212,6 +212,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
         modules[name] = trained.module
         report["domains"][name] = trained.entry
         LOG.info("domain %s: %s", name, before_after(trained.entry["bias"], f"{_split_label(trained.entry)} bias"))
+    if captured.tail is not None:
+        report["depth"] = captured.tail.coverage()  # which weights of the adapted blocks carry adapters
     router = None
     if surgery.router_enabled:
         router, report["router"] = router_step(out_path, captured, surgery, settings, ctx=ctx)
@@ -296,12 +298,8 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
                                        synthesize_writer=domain.calibration.synthesize_writer,
                                        held_out=surgery.held_out,
                                        add_special_tokens=not domain.calibration.chat_template))
-    captured = capture_domains(ctx, specs)
+    captured = capture_domains(ctx, specs, depth=surgery.depth)
     check_finite_capture(captured, surgery, settings, out_path)
-    if surgery.depth:
-        from mergekit_darts.repair.capture.block_inputs import capture_block_inputs
-
-        captured.tail = capture_block_inputs(ctx, captured.domains, surgery.depth)
     return captured
 
 
@@ -321,10 +319,6 @@ def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSe
     if surgery.router_eval is not None:
         ctx = ctx or capture_context(out_path, surgery, settings)
         eval_data = _capture_router_eval(ctx, surgery, settings)
-        if surgery.depth:
-            from mergekit_darts.repair.capture.block_inputs import capture_block_inputs
-
-            capture_block_inputs(ctx, {"router_eval": eval_data}, surgery.depth, check_replay=False)
         eval_states = _router_states(eval_data)
     return train_router(states, splits, threshold=surgery.router_threshold, fallback_rate=surgery.router_fallback,
                         kind=surgery.router_kind, seed=settings.seed, eval_states=eval_states)
@@ -361,7 +355,7 @@ def _capture_router_eval(ctx, surgery: SurgeryConfig, settings: RunSettings):
         texts = apply_chat_template(texts, ctx.tokenizer, where=f"{where}.chat_template")
     spec = DomainCaptureSpec(name="router_eval", expert=ctx.merged_dir, texts=texts,
                              add_special_tokens=not surgery.router_eval.chat_template)
-    return capture_merged_prompts(ctx, spec)
+    return capture_merged_prompts(ctx, spec, depth=surgery.depth)
 
 
 def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], report: dict,

@@ -48,7 +48,7 @@ def test_block_adapters_start_as_identity_and_train_from_cached_inputs(tiny_fami
     with torch.no_grad():
         final = model.model(input_ids=ids).last_hidden_state
     handle.remove()
-    tail = FrozenTail(model, 2)
+    tail = FrozenTail.from_model(model, 2)
     shape = SurgeryShape("darts", rank=2, head_rank=0, max_positions=8, content="relu", depth=2, depth_rank=3)
     surgery = DomainSurgery.from_shape(shape, model.config.hidden_size, model.config.vocab_size, tail.targets)
     assert surgery.shape == shape and len(surgery.block_adapters()) == 2 * 7  # q k v o gate up down per block
@@ -166,8 +166,7 @@ def test_depth_bake_refuses_and_config_checks(depth_output, tiny_family, tmp_pat
         bake(out, "math", str(tmp_path / "baked"))
     assert not (tmp_path / "baked").exists()
     domains = {"math": {"model": "m", "calibration": {"texts": ["a"]}}}
-    with pytest.raises(SurgeryConfigError, match="depth"):
-        parse_surgery_block({"depth": 1, "device_map": "auto", "domains": domains})
+    assert parse_surgery_block({"depth": 1, "device_map": "auto", "domains": domains}).depth == 1  # sharded capture
     with pytest.raises(SurgeryConfigError, match="depth"):
         parse_surgery_block({"depth": -1, "domains": domains})
     merged = tmp_path / "merged"
@@ -318,7 +317,7 @@ def test_replaying_the_last_blocks_matches_every_architecture(arch):
         with torch.no_grad():
             final = model.model(input_ids=ids).last_hidden_state
         handle.remove()
-        tail = FrozenTail(model, depth)
+        tail = FrozenTail.from_model(model, depth)
         positions = torch.arange(9).expand(2, 9)
         with torch.no_grad():
             torch.testing.assert_close(tail(seen["h"], positions), final, atol=1e-5, rtol=1e-5)
@@ -374,3 +373,29 @@ def test_depth_with_a_bfloat16_capture(tiny_family, tmp_path):
     for name in ("math", "code"):
         kl = report["domains"][name]["held_out_kl"]
         assert kl["after"] < kl["before"], (name, kl)
+
+
+def test_moe_experts_and_router_are_left_alone_and_named():
+    """Mixtral under transformers 5 keeps its experts as fused parameters and routes with its own
+    module: depth adapts the attention linears only, names what it leaves alone, and never adapts a
+    router even where it is an nn.Linear (which would change which experts run)."""
+    from torch import nn
+
+    from mergekit_darts.remote_code.blocks import block_linear_targets
+    from mergekit_darts.repair.capture.block_inputs import FrozenTail
+
+    tail = FrozenTail.from_model(_tiny_model("Mixtral"), 1)
+    coverage = tail.coverage()
+    assert coverage["adapted"] == ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"} <= set(coverage["not_adapted"])
+
+    class Block(nn.Module):  # a MoE block whose router is a plain nn.Linear (as in other MoE families)
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.mlp = nn.Module()
+            self.mlp.gate = nn.Linear(4, 2)
+            self.mlp.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    targets = block_linear_targets(nn.ModuleList([Block()]), 1)[0]
+    assert "mlp.gate" not in targets and {"proj", "mlp.experts.0", "mlp.experts.1"} <= set(targets)

@@ -41,14 +41,22 @@ class BlockAdapter(nn.Module):
             return float32_linear(self.up, float32_linear(self.down, inputs.float()))
 
 
+def _is_moe_router(block: nn.Module, path: str) -> bool:
+    # a MoE block's router (``gate`` next to ``experts``): adapting it would change which experts run
+    parent, _, leaf = path.rpartition(".")
+    return leaf in ("gate", "router") and hasattr(block.get_submodule(parent) if parent else block, "experts")
+
+
 def block_linear_targets(layers: nn.ModuleList, depth: int) -> BlockTargets:
-    """Every ``nn.Linear`` (quantized subclasses included) of the last ``depth`` decoder layers."""
+    """Every ``nn.Linear`` (quantized subclasses included) of the last ``depth`` decoder layers, but a
+    MoE router."""
     if not isinstance(depth, int) or not 0 < depth <= len(layers):
         raise ValueError(f"depth: must be between 1 and the model's {len(layers)} decoder layers, got {depth!r}")
     targets: BlockTargets = {}
     for index in range(len(layers) - depth, len(layers)):
         linears = {path: (module.in_features, module.out_features)
-                   for path, module in layers[index].named_modules() if isinstance(module, nn.Linear)}
+                   for path, module in layers[index].named_modules()
+                   if isinstance(module, nn.Linear) and not _is_moe_router(layers[index], path)}
         if not linears:
             raise ValueError(f"depth: decoder layer {index} has no nn.Linear to adapt")
         targets[index] = linears

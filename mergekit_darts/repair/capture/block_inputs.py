@@ -1,20 +1,24 @@
-"""``depth: k``: the cached input of the merged model's first adapted block, and its frozen last blocks
+"""``depth: k``: the input of the merged model's first adapted block, and its frozen last blocks
 (docs/quality.md, "Deeper correction").
 
-The capture keeps, per domain, the input of the first adapted block ([N, T, H]) and one frozen float32
-copy of the last k blocks, the final norm and the rotary embedding (``FrozenTail``). Training
-(``train/tail.py``) runs only those k blocks with a domain's adapters, never the whole model.
+The capture keeps, per domain, the input of the first adapted block ([N, T, H], taken in the same
+forward as the merged final states, ``capture/domains.py``) and one frozen float32 copy of the last k
+blocks, the final norm and the rotary embedding (``FrozenTail``). The tail is built from its tensors
+on an empty (meta) skeleton of the model, so a cached tail needs no model load, and tensors that
+accelerate offloaded to cpu or disk are read like any other. Training (``train/tail.py``) runs only
+those k blocks with a domain's adapters, never the whole model.
 """
 
 import copy
 import logging
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from mergekit_darts.config import SurgeryConfigError
 from mergekit_darts.remote_code.blocks import block_linear_targets
+from mergekit_darts.repair.capture.placement import read_weight
 
 LOG = logging.getLogger(__name__)
 
@@ -25,22 +29,94 @@ REPLAY_TOLERANCE = {torch.float32: 1e-2}
 REPLAY_TOLERANCE_LOW_PRECISION = 5e-2
 
 
+def _tail_parts(model, depth: int) -> List[Tuple[str, nn.Module]]:
+    """(name in the tail, module of ``model``) of what the tail copies."""
+    layers = model.model.layers
+    first = len(layers) - depth
+    return ([(f"layers.{i - first}", layers[i]) for i in range(first, len(layers))]
+            + [("norm", model.model.norm), ("rotary", model.model.rotary_emb)])
+
+
+def read_tail_tensors(model, depth: int) -> Dict[str, torch.Tensor]:
+    """Every parameter and buffer of the last ``depth`` blocks, the final norm and the rotary embedding,
+    as float32 cpu copies named as in ``FrozenTail`` (offloaded ones read through accelerate)."""
+    tensors = {}
+    for prefix, part in _tail_parts(model, depth):
+        for path, module in part.named_modules():
+            names = [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
+            for name in names:
+                full = ".".join(x for x in (prefix, path, name) if x)
+                tensors[full] = read_weight(module, name).to("cpu", torch.float32, copy=True)
+    return tensors
+
+
+def empty_model(config, trust_remote_code: bool = False):
+    """The model's module tree with its weights on the meta device (buffers real): no load, no memory."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 class FrozenTail(nn.Module):
     """The merged model's last ``depth`` decoder blocks, final norm and rotary embedding (float32,
-    frozen), run from a block input of right-padded rows with ``arange`` positions."""
+    frozen), run from a block input of right-padded rows with ``arange`` positions. Build it with
+    ``from_model`` (a loaded model) or ``from_tensors`` (its cached tensors and the model's config)."""
 
-    def __init__(self, model, depth: int):
+    def __init__(self, skeleton, depth: int):
         super().__init__()
-        layers = model.model.layers
+        layers = skeleton.model.layers
         self.targets = block_linear_targets(layers, depth)
         self.first = len(layers) - depth
-        self.layers = copy.deepcopy(layers[self.first:]).float()
-        self.norm = copy.deepcopy(model.model.norm).float()
-        self.rotary = copy.deepcopy(model.model.rotary_emb).float()
-        config = model.config
+        self.layers = copy.deepcopy(layers[self.first:])
+        self.norm = copy.deepcopy(skeleton.model.norm)
+        self.rotary = copy.deepcopy(skeleton.model.rotary_emb)
+        config = skeleton.config
         uses_window = getattr(config, "use_sliding_window", True) is not False
         self.sliding_window = getattr(config, "sliding_window", None) if uses_window else None
-        self.requires_grad_(False).eval()
+
+    @classmethod
+    def from_tensors(cls, skeleton, depth: int, tensors: Dict[str, torch.Tensor]) -> "FrozenTail":
+        """``skeleton``: ``empty_model`` of the merged model; ``tensors``: ``read_tail_tensors`` of it."""
+        tail = cls(skeleton, depth)
+        expected = tail.tensor_shapes()
+        if set(tensors) != set(expected):
+            raise ValueError(f"tail tensors: expected {sorted(expected)}, got {sorted(tensors)}")
+        for name, tensor in tensors.items():
+            owner_path, _, leaf = name.rpartition(".")
+            owner = tail.get_submodule(owner_path)
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = nn.Parameter(tensor.float(), requires_grad=False)
+            else:
+                owner._buffers[leaf] = tensor.float()
+        return tail.requires_grad_(False).eval()
+
+    @classmethod
+    def from_model(cls, model, depth: int) -> "FrozenTail":
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            skeleton = type(model)(model.config)
+        return cls.from_tensors(skeleton, depth, read_tail_tensors(model, depth))
+
+    def coverage(self) -> Dict[str, List[str]]:
+        """Which weights of the adapted blocks carry an adapter (paths inside a block) and which do
+        not: every weight matrix outside an adapted ``nn.Linear``, e.g. fused MoE experts (Mixtral's
+        ``mlp.experts.gate_up_proj`` under transformers 5) and the MoE router, left as they are so the
+        expert routing does not change."""
+        adapted = sorted({path for linears in self.targets.values() for path in linears})
+        missing = set()
+        for layer in self.layers:
+            for name, parameter in layer.named_parameters():
+                owner = name.rpartition(".")[0]
+                if parameter.dim() >= 2 and owner not in adapted:
+                    missing.add(name)
+        return {"adapted": adapted, "not_adapted": sorted(missing)}
+
+    def tensor_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """{name: shape} of every parameter and buffer (what ``from_tensors`` needs)."""
+        return {name: tuple(t.shape) for name, t in [*self.named_parameters(), *self.named_buffers()]}
 
     def attention_mask(self, length: int, device) -> torch.Tensor:
         """Additive causal mask [1, 1, T, T] (with the sliding window where the config has one).
@@ -65,6 +141,22 @@ class FrozenTail(nn.Module):
         return self.norm(hidden)
 
 
+def cached_tail(slot, ctx, depth: int) -> FrozenTail:
+    """The frozen tail of ``slot``'s model (on ``ctx.device``): from the cache when it holds it (no
+    load: the tail is rebuilt on an empty skeleton), else read from the model through its placement."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(slot.model_dir, trust_remote_code=ctx.trust_remote_code)
+    skeleton = empty_model(config, ctx.trust_remote_code)
+    shapes = FrozenTail(skeleton, depth).tensor_shapes()
+    key = ctx.key("tail", slot.model_dir, layer=len(skeleton.model.layers) - depth)
+    entry = ctx.cache.load("merged.tail", key, {name: (shape, torch.float32) for name, shape in shapes.items()})
+    if entry is None:
+        entry = read_tail_tensors(slot.get(), depth)
+        ctx.cache.save("merged.tail", key, entry)
+    return FrozenTail.from_tensors(skeleton, depth, entry).to(ctx.device)
+
+
 def check_depth(depth: int, layers: int) -> None:
     if depth > layers:
         raise SurgeryConfigError(f"surgery.depth: {depth} exceeds the merged model's {layers} decoder "
@@ -72,48 +164,10 @@ def check_depth(depth: int, layers: int) -> None:
 
 
 @torch.no_grad()
-def capture_block_inputs(ctx, domains: Dict[str, object], depth: int, check_replay: bool = True) -> FrozenTail:
-    """Set ``block_inputs`` ([N, T, H] float32, zero at padding) on each captured domain of ``domains``
-    and return the frozen tail (float32, on ``ctx.device``). Loads the merged model once through the
-    run's ``CaptureContext`` ``ctx``. ``check_replay``: the tail run from the block inputs must reproduce
-    the captured final states."""
-    slot = ctx.slot(ctx.merged_dir)
-    device = ctx.device
-    try:
-        model = slot.get()
-        check_depth(depth, len(model.model.layers))
-        tail = FrozenTail(model, depth).to(device)
-        first = model.model.layers[tail.first]
-        for name, data in domains.items():
-            data.block_inputs = _block_inputs(model, first, data, ctx.batch_size, device)
-            if check_replay:
-                tolerance = REPLAY_TOLERANCE.get(ctx.dtype, REPLAY_TOLERANCE_LOW_PRECISION)
-                _check_replay(name, tail, data, ctx.batch_size, tolerance)
-        del model
-    finally:
-        slot.free()
-    LOG.info("depth %d: block inputs captured for %d domain(s)", depth, len(domains))
-    return tail
-
-
-def _block_inputs(model, first: nn.Module, data, batch_size: int, device) -> torch.Tensor:
-    seen = []
-    handle = first.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
-    parts = []
-    try:
-        for start in range(0, data.input_ids.shape[0], batch_size):
-            rows = slice(start, start + batch_size)
-            seen.clear()
-            model.model(input_ids=data.input_ids[rows].to(device), attention_mask=data.attention_mask[rows].long().to(device),
-                        position_ids=data.position_ids[rows].to(device), use_cache=False)
-            parts.append(seen[-1].float().cpu() * data.attention_mask[rows].unsqueeze(-1))
-    finally:
-        handle.remove()
-    return torch.cat(parts)
-
-
-def _check_replay(name: str, tail: FrozenTail, data, batch_size: int, tolerance: float) -> None:
+def check_replay(name: str, tail: FrozenTail, data, batch_size: int, dtype: torch.dtype) -> None:
+    """The tail run from ``data.block_inputs`` must reproduce ``data.merged_hidden`` (the merged final
+    states captured in the same forward); else this architecture's blocks need arguments we do not pass."""
+    tolerance = REPLAY_TOLERANCE.get(dtype, REPLAY_TOLERANCE_LOW_PRECISION)
     mask = data.attention_mask.bool()
     worst: Optional[float] = None
     for start in range(0, mask.shape[0], batch_size):

@@ -1,8 +1,11 @@
 """On-disk cache of captured tensors: one safetensors file per (model, domain) entry.
 
-Entries are keyed by a content hash of the model's identity, the token ids, the dtype and
-CAPTURE_VERSION, written atomically, and verified (key, tensor names, shapes, dtypes) before use:
-a corrupt entry is logged and recomputed, never trusted.
+Entries are keyed by content: a hash of the model's weight files (``FileHashes``: computed once per
+file and memoized per (device, inode, size, mtime), so hard links of one merge and a moved copy share
+it), its config, the merged tokenizer, the calibration token ids, the generation settings actually
+used, the dtype and CAPTURE_VERSION. They are written atomically with a checksum of their tensors,
+and verified (key, checksum, tensor names, shapes, dtypes, finite values) before use: a corrupt entry
+is one warning line and a recompute, never trusted.
 """
 
 import hashlib
@@ -18,36 +21,106 @@ import torch
 LOG = logging.getLogger(__name__)
 
 # Bump when what is captured (or how it is stored) changes: old cache entries then stop matching.
-CAPTURE_VERSION = 2
+# 3: content-keyed models and tokenizer, generation settings in the key, a checksum per entry.
+CAPTURE_VERSION = 3
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "mergekit_darts")
+HASH_MEMO = "file_hashes.json"
+# what a surgery export adds or changes in config.json: left out, so a repaired directory keeps its identity
+_EXPORT_CONFIG_KEYS = ("darts", "darts_domain", "auto_map", "architectures")
+_TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                    "chat_template.jinja", "chat_template.json")
 
 
-def model_identity(model_dir: str) -> dict:
-    """What makes a model's outputs: its path, config.json content, and its weight files' sizes and
-    mtimes (cheap; rewriting the weights changes the mtime, so a re-merge is never served stale).
+class FileHashes:
+    """sha256 of files' contents, memoized in ``<cache dir>/file_hashes.json`` per (device, inode,
+    size, mtime_ns): a file is read once, its hard links and a moved copy (same inode) are not read
+    again, and rewriting it (new mtime) makes it be read again."""
 
-    The parts a surgery export adds or renames (darts entries of config.json, darts.safetensors,
-    the index, model.safetensors renamed to a shard: os.replace keeps size and mtime) are left out,
-    so repairing a directory again reuses its capture.
-    """
+    def __init__(self, cache_dir: str):
+        self.path = os.path.join(cache_dir, HASH_MEMO)
+        self.memo: Optional[Dict[str, str]] = None
+
+    def _load(self) -> Dict[str, str]:
+        if self.memo is None:
+            try:
+                with open(self.path, encoding="utf-8") as handle:
+                    self.memo = dict(json.load(handle))
+            except (OSError, ValueError, TypeError):
+                self.memo = {}
+        return self.memo
+
+    def digest(self, path: str) -> str:
+        stat = os.stat(path)
+        stamp = f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
+        memo = self._load()
+        if stamp not in memo:
+            sha = hashlib.sha256()
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 24), b""):
+                    sha.update(block)
+            memo[stamp] = sha.hexdigest()
+            self._save()
+            LOG.info("capture cache: hashed %s", path)
+        return memo[stamp]
+
+    def _save(self) -> None:
+        # a lost update (two runs at once) only costs a re-hash later
+        tmp = None
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".tmp-", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(self.memo, handle)
+            os.replace(tmp, self.path)
+        except OSError as error:
+            LOG.warning("capture cache: could not write %s (%s); file hashes will be computed again", self.path, error)
+            if tmp and os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def _sha(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def model_identity(model_dir: str, hashes: FileHashes) -> dict:
+    """What makes a model's outputs, by content: config.json (without what a surgery export adds) and
+    the contents of its weight files (not their names: the export renames ``model.safetensors`` to a
+    shard; not ``darts.safetensors``, which the plain model never reads)."""
     with open(os.path.join(model_dir, "config.json"), "rb") as handle:
         config = json.loads(handle.read())
-    for key in ("darts", "darts_domain", "auto_map", "architectures"):
+    for key in _EXPORT_CONFIG_KEYS:
         config.pop(key, None)
-    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    weights = []
+    weights = sorted(hashes.digest(os.path.join(model_dir, name)) for name in os.listdir(model_dir)
+                     if name.endswith(".safetensors") and name != "darts.safetensors")
+    return {"config": _sha(config), "weights": weights}
+
+
+def tokenizer_identity(model_dir: str) -> str:
+    """A hash of the tokenizer files' contents (names included: they say what each file is)."""
+    parts = []
     for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors") and name != "darts.safetensors":
-            stat = os.stat(os.path.join(model_dir, name))
-            weights.append([stat.st_size, stat.st_mtime_ns])
-    return {"path": os.path.realpath(model_dir), "config": config_hash, "weights": sorted(weights)}
+        if name.startswith("tokenizer") or name in _TOKENIZER_FILES or name.endswith((".tiktoken", ".model")):
+            with open(os.path.join(model_dir, name), "rb") as handle:
+                parts.append([name, hashlib.sha256(handle.read()).hexdigest()])
+    return _sha(parts)
 
 
 def cache_key(role: str, identity: dict, dtype: torch.dtype, ids: Optional[List[List[int]]] = None, **extra) -> str:
     parts = {"version": CAPTURE_VERSION, "role": role, "model": identity, "dtype": str(dtype), **extra}
     if ids is not None:
         parts["ids"] = hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    return _sha(parts)
+
+
+def tensors_checksum(tensors: Dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes (in name order)."""
+    sha = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        sha.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+        if tensor.numel():
+            sha.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+    return sha.hexdigest()
 
 
 class CaptureCache:
@@ -55,6 +128,7 @@ class CaptureCache:
 
     def __init__(self, cache_dir: Optional[str]):
         self.dir = os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)
+        self.hashes = FileHashes(self.dir)
 
     def _path(self, label: str, key: str) -> str:
         return os.path.join(self.dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', label)}.{key}.safetensors")
@@ -71,12 +145,16 @@ class CaptureCache:
             from safetensors import safe_open
 
             with safe_open(path, framework="pt") as handle:
-                if (handle.metadata() or {}).get("key") != key:
+                metadata = handle.metadata() or {}
+                if metadata.get("key") != key:
                     raise ValueError("key in metadata does not match")
                 missing = set(expected) - set(handle.keys())
                 if missing:
                     raise ValueError(f"missing tensors {sorted(missing)}")
-                entry = {name: handle.get_tensor(name) for name in expected}
+                stored = {name: handle.get_tensor(name) for name in handle.keys()}
+            if metadata.get("checksum") != tensors_checksum(stored):
+                raise ValueError("checksum mismatch: the stored tensors changed after they were written")
+            entry = {name: stored[name] for name in expected}
             for name, (shape, dtype) in expected.items():
                 tensor = entry[name]
                 if tensor.dtype != dtype or tensor.dim() != len(shape) or any(
@@ -104,8 +182,9 @@ class CaptureCache:
             os.makedirs(self.dir, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".safetensors")
             os.close(fd)
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp,
-                      metadata={"key": key, "capture_version": str(CAPTURE_VERSION)})
+            tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+            save_file(tensors, tmp, metadata={"key": key, "capture_version": str(CAPTURE_VERSION),
+                                              "checksum": tensors_checksum(tensors)})
             os.replace(tmp, path)
         except Exception as error:  # noqa: BLE001 - OSError, safetensors' SafetensorError (disk full), ...
             LOG.warning("capture cache: could not write %s (%s: %s); continuing from memory without caching it",

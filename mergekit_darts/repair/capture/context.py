@@ -6,13 +6,13 @@ see the same placement (``device`` or accelerate's ``device_map`` / ``max_memory
 same capture dtype, the merged model's tokenizer (all models see its ids) and the same on-disk cache.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from mergekit_darts.errors import DeviceError, SurgeryConfigError
-from mergekit_darts.repair.capture.cache import CaptureCache
+from mergekit_darts.repair.capture.cache import CaptureCache, cache_key, model_identity, tokenizer_identity
 from mergekit_darts.repair.capture.models import ModelSlot, model_sizes, resolve_model_dir
 
 
@@ -57,15 +57,18 @@ class CaptureContext:
     progress: bool
     hidden_size: int  # the merged model's, which every expert must share
     vocab_size: int
+    num_layers: int  # the merged model's decoder layers (depth's first adapted one is counted from it)
     pad_id: int = 0
     device_map: Any = None  # None (whole model on ``device``), "auto"/"balanced"/"sequential" or a dict
     max_memory: Optional[dict] = None  # accelerate's per-device limits, with ``device_map``
+    tokenizer_hash: str = ""  # the merged tokenizer's files, part of every cache key
+    identities: dict = field(default_factory=dict, repr=False)  # model dir -> model_identity, this run's
 
     @classmethod
     def open(cls, merged_path: str, max_positions: int, *, dtype="auto", device="auto", batch_size: int = 8,
              cache_dir: Optional[str] = None, trust_remote_code: bool = False, progress: bool = True,
              device_map=None, max_memory: Optional[dict] = None) -> "CaptureContext":
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         if max_positions <= 0 or batch_size <= 0:
             raise ValueError(f"max_positions ({max_positions}) and batch_size ({batch_size}) must be positive")
@@ -73,11 +76,21 @@ class CaptureContext:
         merged_dir = resolve_model_dir(merged_path)
         tokenizer = AutoTokenizer.from_pretrained(merged_dir, trust_remote_code=trust_remote_code)
         hidden_size, vocab_size = model_sizes(merged_dir, trust_remote_code)
+        config = AutoConfig.from_pretrained(merged_dir, trust_remote_code=trust_remote_code)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
         return cls(merged_dir=merged_dir, tokenizer=tokenizer, max_positions=max_positions, device=device,
                    dtype=resolve_dtype(dtype, device), batch_size=batch_size, cache=CaptureCache(cache_dir),
                    trust_remote_code=trust_remote_code, progress=progress, hidden_size=hidden_size,
-                   vocab_size=vocab_size, pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-                   device_map=device_map, max_memory=max_memory)
+                   vocab_size=vocab_size, num_layers=int(getattr(config, "num_hidden_layers", 0) or 0),
+                   pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+                   device_map=device_map, max_memory=max_memory, tokenizer_hash=tokenizer_identity(merged_dir))
+
+    def key(self, role: str, model_dir: str, ids=None, **extra) -> str:
+        """The cache key of an entry of ``model_dir``: its content, the merged tokenizer, ``ids``, the
+        capture dtype and ``extra`` (e.g. the generation settings used)."""
+        if model_dir not in self.identities:
+            self.identities[model_dir] = model_identity(model_dir, self.cache.hashes)
+        return cache_key(role, self.identities[model_dir], self.dtype, ids=ids, tokenizer=self.tokenizer_hash, **extra)
 
     def slot(self, model_dir: str) -> ModelSlot:
         """The one-model-in-memory slot of ``model_dir``, loaded with this run's placement and dtype."""

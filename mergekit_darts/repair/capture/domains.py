@@ -3,8 +3,9 @@
 The hidden state is the output of the model's final norm (the LM head's input), taken with a forward
 hook, so it is exactly what the surgery module will see at inference. All models see the same token
 ids, produced by the merged model's tokenizer. Only one model is in memory at a time: load, capture
-every domain that needs it, free. Results are cached on disk (safetensors, one file per entry, keyed
-by a content hash of the model files, the token ids and the dtype), so a rerun loads no model.
+every domain that needs it, free. With ``depth > 0`` the merged pass also keeps the first adapted
+block's input, and the frozen tail is kept too (capture/block_inputs.py). Everything is cached on disk
+by content (capture/cache.py), so a rerun with the same inputs loads no model.
 """
 
 import logging
@@ -13,9 +14,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mergekit_darts.repair.capture.cache import cache_key, model_identity
+from mergekit_darts.repair.capture.block_inputs import cached_tail, check_depth, check_replay
 from mergekit_darts.repair.capture.context import CaptureContext
-from mergekit_darts.repair.capture.forward import continue_prompts, eos_ids, forward_hidden, pad_rows
+from mergekit_darts.repair.capture.forward import (continue_prompts, forward_hidden, generation_settings, pad_rows,
+                                                   stop_ids)
 from mergekit_darts.repair.capture.models import ModelSlot, resolve_model_dir
 from mergekit_darts.repair.capture.prompts import Prompts, check_expert, tokenize_prompts
 from mergekit_darts.repair.capture.synthesize import add_synthesized, writer_slot
@@ -40,7 +42,7 @@ class CapturedDomain:
     # [N] tokens of each row that are its prompt; the rest (up to the mask's end) is the expert's
     # continuation. From the tokenization, not the cache, so the cache format is unchanged.
     prompt_lengths: Optional[torch.LongTensor] = None
-    # [N, T, H] float32 input of the first adapted decoder block (``depth > 0`` only, repair/depth.py)
+    # [N, T, H] float32 input of the first adapted decoder block (``depth > 0`` only)
     block_inputs: Optional[torch.Tensor] = None
     # calibration.synthesize: prompts [0, real_prompts) are the user's, the rest the expert's (they
     # only ever train); None: all the user's. ``synthesis``: what was sampled, kept and rejected
@@ -73,9 +75,10 @@ class CaptureResult:
     tail: Optional[torch.nn.Module] = None  # depth > 0: the frozen last blocks (capture/block_inputs.FrozenTail)
 
 
-def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec]) -> CaptureResult:
+def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec], depth: int = 0) -> CaptureResult:
     """Capture merged and expert final hidden states (+ expert entropies) for every domain, every
-    model loaded through the run's context ``ctx`` (placement, dtype, cache).
+    model loaded through the run's context ``ctx`` (placement, dtype, cache). ``depth > 0``: also each
+    domain's ``block_inputs`` and the result's ``tail``, checked to replay the merged states.
 
     Order: if any domain continues its prompts (``continue_tokens > 0``) the experts go first, since
     the merged model must be captured on the continued ids; otherwise the merged model goes first.
@@ -86,6 +89,8 @@ def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec]) -> 
     prompts = {spec.name: tokenize_prompts(ctx.tokenizer, spec, ctx.max_positions) for spec in specs}
 
     # Everything that can be checked without loading a model is checked before loading any.
+    if depth:
+        check_depth(depth, ctx.num_layers)
     expert_dirs = {spec.expert: resolve_model_dir(spec.expert) for spec in specs}
     for spec in specs:
         check_expert(spec, expert_dirs[spec.expert], (ctx.hidden_size, ctx.vocab_size), ctx.tokenizer,
@@ -93,14 +98,14 @@ def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec]) -> 
 
     for spec in specs:  # prompts written by another model than the expert: before any expert loads
         if spec.synthesize and spec.synthesize_writer is not None:
-            add_synthesized(writer_slot(ctx, spec), None, prompts[spec.name], spec, ctx)
+            add_synthesized(writer_slot(ctx, spec), prompts[spec.name], spec, ctx)
     merged = ctx.slot(ctx.merged_dir)
     experts_first = any(spec.continue_tokens > 0 or spec.continue_samples > 0 or spec.synthesize > 0 for spec in specs)
     if experts_first:
         expert_out = _capture_experts(specs, expert_dirs, prompts, ctx)
-        merged_out = _capture_merged(merged, specs, {n: out[0] for n, out in expert_out.items()}, ctx)
+        merged_out = _capture_merged(merged, specs, {n: out[0] for n, out in expert_out.items()}, ctx, depth)
     else:
-        merged_out = _capture_merged(merged, specs, {n: p.ids for n, p in prompts.items()}, ctx)
+        merged_out = _capture_merged(merged, specs, {n: p.ids for n, p in prompts.items()}, ctx, depth)
         expert_out = _capture_experts(specs, expert_dirs, prompts, ctx)
 
     domains = {}
@@ -122,15 +127,25 @@ def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec]) -> 
             prompt_lengths=torch.tensor([len(row) for row in prompts[spec.name].ids], dtype=torch.long)
             .repeat(len(ids) // len(prompts[spec.name].ids)),
             real_prompts=prompts[spec.name].real, synthesis=prompts[spec.name].synthesis,
+            block_inputs=merged_out["blocks"].get(spec.name),
         )
-    return CaptureResult(domains=domains, merged_head=merged_out["head"])
+        if depth:
+            check_replay(spec.name, merged_out["tail"], domains[spec.name], ctx.batch_size, ctx.dtype)
+    if depth:
+        coverage = merged_out["tail"].coverage()
+        if coverage["not_adapted"]:
+            LOG.warning("depth %d: %s of each adapted block are not nn.Linear layers (fused MoE experts, the MoE "
+                        "router) and get no adapter, so expert routing is unchanged; adapters go on %s",
+                        depth, ", ".join(coverage["not_adapted"]), ", ".join(coverage["adapted"]))
+    return CaptureResult(domains=domains, merged_head=merged_out["head"], tail=merged_out["tail"])
 
 
-def capture_merged_prompts(ctx: CaptureContext, spec: DomainCaptureSpec) -> CapturedDomain:
+def capture_merged_prompts(ctx: CaptureContext, spec: DomainCaptureSpec, depth: int = 0) -> CapturedDomain:
     """The merged model's final states of ``spec.texts`` alone (no expert, no continuation): what the
-    router's out-of-domain measurement (``router_eval``) needs. Expert fields are left empty."""
+    router's out-of-domain measurement (``router_eval``) needs; with ``depth`` also the first adapted
+    block's input (where the router reads). Expert fields are left empty."""
     prompts = tokenize_prompts(ctx.tokenizer, spec, ctx.max_positions)
-    out = _capture_merged(ctx.slot(ctx.merged_dir), [spec], {spec.name: prompts.ids}, ctx)
+    out = _capture_merged(ctx.slot(ctx.merged_dir), [spec], {spec.name: prompts.ids}, ctx, depth, with_tail=False)
     input_ids, mask = pad_rows(prompts.ids, ctx.pad_id)
     empty = torch.zeros(0)
     return CapturedDomain(
@@ -139,30 +154,44 @@ def capture_merged_prompts(ctx: CaptureContext, spec: DomainCaptureSpec) -> Capt
         merged_hidden=out["hidden"][spec.name], expert_hidden=empty, expert_entropy=empty, expert_head=empty,
         truncated=prompts.truncated, skipped=prompts.skipped,
         prompt_lengths=torch.tensor([len(row) for row in prompts.ids], dtype=torch.long),
+        block_inputs=out["blocks"].get(spec.name),
     )
 
 
 # --- capture passes --------------------------------------------------------------------------
 
 
-def _capture_merged(slot: ModelSlot, specs, ids: Dict[str, List[List[int]]], ctx: CaptureContext) -> dict:
-    identity = model_identity(slot.model_dir)
-    hidden = {}
+def _capture_merged(slot: ModelSlot, specs, ids: Dict[str, List[List[int]]], ctx: CaptureContext, depth: int = 0,
+                    with_tail: bool = True) -> dict:
+    """{hidden: {domain: [N,T,H]}, blocks: {domain: [N,T,H] float32} (depth only), head, tail}."""
+    first = ctx.num_layers - depth if depth else None
+    hidden, blocks = {}, {}
     try:
         for spec in specs:
             rows = ids[spec.name]
-            key = cache_key("merged", identity, ctx.dtype, ids=rows)
-            expected = {"hidden": ((len(rows), max(map(len, rows)), ctx.hidden_size), ctx.dtype)}
-            entry = ctx.cache.load(f"merged.{spec.name}", key, expected)
-            if entry is None:
-                states, _ = forward_hidden(slot.get(), rows, ctx, f"merged · {spec.name}", with_entropy=False)
+            shape = (len(rows), max(map(len, rows)), ctx.hidden_size)
+            key = ctx.key("merged", slot.model_dir, ids=rows)
+            entry = ctx.cache.load(f"merged.{spec.name}", key, {"hidden": (shape, ctx.dtype)})
+            block_key = ctx.key("block-inputs", slot.model_dir, ids=rows, layer=first) if depth else None
+            block_entry = None
+            if depth:
+                block_entry = ctx.cache.load(f"blocks.{spec.name}", block_key, {"block_inputs": (shape, torch.float32)})
+            if entry is None or (depth and block_entry is None):
+                states, _, inputs = forward_hidden(slot.get(), rows, ctx, f"merged · {spec.name}", with_entropy=False,
+                                                   block_index=first)
                 entry = {"hidden": states}
                 ctx.cache.save(f"merged.{spec.name}", key, entry)
+                if depth:
+                    block_entry = {"block_inputs": inputs}
+                    ctx.cache.save(f"blocks.{spec.name}", block_key, block_entry)
             hidden[spec.name] = entry["hidden"]
-        head = _cached_head(slot, "merged", identity, ctx)
+            if depth:
+                blocks[spec.name] = block_entry["block_inputs"]
+        head = _cached_head(slot, "merged", ctx)
+        tail = cached_tail(slot, ctx, depth) if depth and with_tail else None
     finally:
         slot.free()
-    return {"hidden": hidden, "head": head}
+    return {"hidden": hidden, "blocks": blocks, "head": head, "tail": tail}
 
 
 def _capture_experts(specs, expert_dirs, prompts: Dict[str, Prompts], ctx: CaptureContext) -> dict:
@@ -171,21 +200,24 @@ def _capture_experts(specs, expert_dirs, prompts: Dict[str, Prompts], ctx: Captu
     out = {}
     for expert in dict.fromkeys(spec.expert for spec in specs):
         slot = ctx.slot(expert_dirs[expert])
-        identity = model_identity(slot.model_dir)
+        stop = stop_ids(slot.model_dir, ctx.trust_remote_code)
         try:
-            head = _cached_head(slot, "expert", identity, ctx)
+            head = _cached_head(slot, "expert", ctx)
             for spec in (s for s in specs if s.expert == expert):
                 if spec.synthesize and spec.synthesize_writer is None:
-                    add_synthesized(slot, identity, prompts[spec.name], spec, ctx)
+                    add_synthesized(slot, prompts[spec.name], spec, ctx)
                 prompt = prompts[spec.name].ids
-                # Keyed by the prompt ids: the continuation is the expert's own output, stored in the entry.
-                key = cache_key("expert", identity, ctx.dtype, ids=prompt, continue_tokens=spec.continue_tokens,
-                                max_positions=ctx.max_positions if spec.continue_tokens else None,
-                                **_sampling_key(spec))
+                # Keyed by the prompt ids and the generation settings: the continuation is the
+                # expert's own output, stored in the entry.
+                generation = None
+                if spec.continue_tokens > 0:
+                    generation = generation_settings(spec.continue_tokens, ctx, stop, spec.continue_samples,
+                                                     spec.continue_temperature, spec.sample_seed)
+                key = ctx.key("expert", slot.model_dir, ids=prompt, generation=generation)
                 entry = ctx.cache.load(f"expert.{spec.name}", key, _expert_shapes(prompt, ctx, spec),
                                        extra_check=lambda e, p=prompt, s=spec: _check_continued(e, p, s, ctx))
                 if entry is None:
-                    entry = _expert_entry(slot.get(), prompt, spec, ctx)
+                    entry = _expert_entry(slot.get(), prompt, spec, ctx, stop)
                     ctx.cache.save(f"expert.{spec.name}", key, entry)
                 ids = [row[:n].tolist() for row, n in zip(entry["input_ids"], entry["lengths"].tolist())]
                 out[spec.name] = (ids, entry["hidden"], entry["entropy"], head)
@@ -194,37 +226,31 @@ def _capture_experts(specs, expert_dirs, prompts: Dict[str, Prompts], ctx: Captu
     return out
 
 
-def _expert_entry(model, prompt: List[List[int]], spec: DomainCaptureSpec, ctx: CaptureContext) -> dict:
+def _expert_entry(model, prompt: List[List[int]], spec: DomainCaptureSpec, ctx: CaptureContext,
+                  stop: List[int]) -> dict:
     # A function of its own so no local name keeps the model alive once the slot frees it.
     ids = prompt
     if spec.continue_tokens > 0:
-        ids = continue_prompts(model, prompt, spec.continue_tokens, ctx, eos_ids(model), f"continue · {spec.name}")
+        ids = continue_prompts(model, prompt, spec.continue_tokens, ctx, stop, f"continue · {spec.name}")
         for round_ in range(spec.continue_samples):
             # seeded per round: the same config gives the same samples, each round different ones
-            ids = ids + continue_prompts(model, prompt, spec.continue_tokens, ctx, eos_ids(model),
-                                  f"sample {round_ + 1} · {spec.name}", temperature=spec.continue_temperature,
-                                  seed=spec.sample_seed + round_)
-    states, entropy = forward_hidden(model, ids, ctx, f"expert · {spec.name}", with_entropy=True)
+            ids = ids + continue_prompts(model, prompt, spec.continue_tokens, ctx, stop,
+                                         f"sample {round_ + 1} · {spec.name}", temperature=spec.continue_temperature,
+                                         seed=spec.sample_seed + round_)
+    states, entropy, _ = forward_hidden(model, ids, ctx, f"expert · {spec.name}", with_entropy=True)
     input_ids, _ = pad_rows(ids, ctx.pad_id)
     lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
     return {"input_ids": input_ids, "lengths": lengths, "hidden": states, "entropy": entropy}
 
 
-def _cached_head(slot: ModelSlot, role: str, identity: dict, ctx: CaptureContext) -> torch.Tensor:
-    key = cache_key(f"{role}-head", identity, ctx.dtype)
+def _cached_head(slot: ModelSlot, role: str, ctx: CaptureContext) -> torch.Tensor:
+    key = ctx.key(f"{role}-head", slot.model_dir)
     label = f"{role}.head"
     entry = ctx.cache.load(label, key, {"head": ((ctx.vocab_size, ctx.hidden_size), ctx.dtype)})
     if entry is None:
         entry = {"head": slot.head()}
         ctx.cache.save(label, key, entry)
     return entry["head"]
-
-
-def _sampling_key(spec: DomainCaptureSpec) -> dict:
-    if not spec.continue_samples:
-        return {}  # keys of entries captured before sampling existed stay valid
-    return {"continue_samples": spec.continue_samples, "continue_temperature": spec.continue_temperature,
-            "sample_seed": spec.sample_seed}
 
 
 def _expert_shapes(prompt: List[List[int]], ctx: CaptureContext, spec: DomainCaptureSpec) -> dict:

@@ -28,8 +28,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from mergekit_darts.repair.capture.cache import cache_key
-from mergekit_darts.repair.capture.forward import continue_prompts, eos_ids, pad_rows
+from mergekit_darts.repair.capture.forward import continue_prompts, pad_rows, stop_ids as model_stop_ids
 from mergekit_darts.repair.capture.prompts import Prompts, split_held_out
 
 LOG = logging.getLogger(__name__)
@@ -203,17 +202,15 @@ def writer_slot(ctx, spec):
     return ctx.slot(model_dir)
 
 
-def add_synthesized(slot, identity, prompts: Prompts, spec, ctx) -> None:
+def add_synthesized(slot, prompts: Prompts, spec, ctx) -> None:
     """Append ``spec.synthesize`` prompts written by the model in ``slot`` (the expert, or
     ``synthesize_writer``) to ``prompts``; cached, keyed by that model, the user's prompt ids and
-    every setting that changes the result. ``identity``: the model's cache identity (None: read it)."""
-    from mergekit_darts.repair.capture.cache import model_identity
-
-    identity = identity if identity is not None else model_identity(slot.model_dir)
+    every setting that changes the result."""
     real = prompts.ids[:prompts.real] if prompts.real is not None else list(prompts.ids)
     train_idx, held_idx = split_held_out(len(real), spec.held_out, spec.sample_seed)
     train, held = [real[i] for i in train_idx.tolist()], [real[i] for i in held_idx.tolist()]
-    key = cache_key("synthesized", identity, ctx.dtype, ids=real, synthesize=spec.synthesize,
+    stop = model_stop_ids(slot.model_dir, ctx.trust_remote_code)
+    key = ctx.key("synthesized", slot.model_dir, ids=real, synthesize=spec.synthesize, stop_ids=list(stop),
                     temperature=spec.synthesize_temperature, seed=spec.sample_seed, held_out=spec.held_out,
                     near_duplicate=NEAR_DUPLICATE, max_positions=ctx.max_positions, version=SYNTHESIS_VERSION)
     label = f"synthesized.{spec.name}"
@@ -225,7 +222,7 @@ def add_synthesized(slot, identity, prompts: Prompts, spec, ctx) -> None:
             model = slot.get()
             rows, stats = synthesize_prompts(
                 model, train, held, spec.synthesize, ctx, temperature=spec.synthesize_temperature,
-                seed=spec.sample_seed, stop_ids=eos_ids(model), special_ids=set(ctx.tokenizer.all_special_ids),
+                seed=spec.sample_seed, stop_ids=set(stop), special_ids=set(ctx.tokenizer.all_special_ids),
                 desc=f"synthesize · {spec.name}")
             del model
         finally:
