@@ -258,6 +258,14 @@ def test_token_entropy_chunked_matches_naive():
     chunked = token_entropy(hidden, head, chunk_size=4)
     assert chunked.shape == (3, 7) and chunked.dtype == torch.float32
     assert torch.allclose(chunked, naive, atol=1e-5)
+    # a low-precision head is prepared once per pass: float32 where the device cannot multiply it into
+    # float32 outputs (the CPU), the same numbers either way
+    from mergekit_darts.repair.capture.entropy import entropy_head
+
+    low = head.bfloat16()
+    prepared = entropy_head(low, "cpu")
+    assert prepared.dtype == torch.float32 and torch.equal(prepared, low.float())
+    assert torch.equal(token_entropy(hidden, prepared, chunk_size=4), token_entropy(hidden, low, chunk_size=4))
 
 
 def _naive_kl(corrected, expert_hidden, expert_head, merged_head, head=None):

@@ -146,6 +146,8 @@ def test_cache_write_failure_is_a_warning_and_leaves_no_temp_file(tiny_family, m
     import safetensors.torch
     from safetensors import SafetensorError
 
+    import mergekit_darts.output.export  # noqa: F401  (binds the real save_file: only the cache's writes fail)
+
     def full_disk(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"partial")  # what a full disk leaves behind
         raise SafetensorError("Error while serializing: IoError(No space left on device)")

@@ -152,8 +152,6 @@ class CaptureCache:
                 if missing:
                     raise ValueError(f"missing tensors {sorted(missing)}")
                 stored = {name: handle.get_tensor(name) for name in handle.keys()}
-            if metadata.get("checksum") != tensors_checksum(stored):
-                raise ValueError("checksum mismatch: the stored tensors changed after they were written")
             entry = {name: stored[name] for name in expected}
             for name, (shape, dtype) in expected.items():
                 tensor = entry[name]
@@ -165,6 +163,9 @@ class CaptureCache:
                 # a NaN/inf entry (bit rot, a diverged earlier capture) would poison training silently
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     raise ValueError(f"tensor {name!r} holds non-finite values")
+            # last: the specific findings above say more than a mismatch does
+            if metadata.get("checksum") != tensors_checksum(stored):
+                raise ValueError("checksum mismatch: the stored tensors changed after they were written")
             if extra_check is not None:
                 extra_check(entry)
         except Exception as error:

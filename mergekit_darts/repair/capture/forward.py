@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
-from mergekit_darts.repair.capture.entropy import token_entropy
+from mergekit_darts.repair.capture.entropy import entropy_head, token_entropy
 from mergekit_darts.repair.capture.models import decoders, final_norm, head_weight, lm_head
 from mergekit_darts.repair.capture.placement import input_device, read_weight
 
@@ -38,7 +38,7 @@ def forward_hidden(model, ids: List[List[int]], ctx, desc: str, with_entropy: bo
     hidden = torch.zeros(len(ids), longest, ctx.hidden_size or head.weight.shape[1], dtype=ctx.dtype)
     entropy = torch.zeros(len(ids), longest, dtype=torch.float32) if with_entropy else None
     blocks = torch.zeros(hidden.shape, dtype=torch.float32) if block_index is not None else None
-    weight = bias = None  # the head in float32, made once per pass (not per batch) where the states are
+    weight = bias = None  # the head as the entropy needs it, made once per pass (not per batch) where the states are
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths batch together: less padding
     try:
         for start in tqdm(range(0, len(order), ctx.batch_size), desc=desc, disable=not ctx.progress, leave=False):
@@ -54,7 +54,7 @@ def forward_hidden(model, ids: List[List[int]], ctx, desc: str, with_entropy: bo
             parts = [(hidden, states.to("cpu", ctx.dtype))]
             if with_entropy:
                 if weight is None:
-                    weight = head_weight(head).to(states.device, torch.float32)
+                    weight = entropy_head(head_weight(head), states.device)
                     bias = read_weight(head, "bias")
                     bias = None if bias is None else bias.to(states.device, torch.float32)
                 parts.append((entropy, token_entropy(states, weight, bias).cpu()))
