@@ -224,7 +224,6 @@ class SurgeryConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    @model_validator(mode="after")
     def _no_ignored_options(self):
         """An option this run would ignore is an error naming both keys (it was accepted silently)."""
         given = self.model_fields_set

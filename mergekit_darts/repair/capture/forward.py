@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mergekit_darts.repair.capture.entropy import entropy_head, token_entropy
-from mergekit_darts.repair.capture.models import decoders, final_norm, head_weight, lm_head
+from mergekit_darts.repair.capture.models import decoders, final_norm, head_weight, lm_head, release_freed_memory
 from mergekit_darts.repair.capture.placement import input_device, read_weight
 
 
@@ -65,9 +65,13 @@ def forward_hidden(model, ids: List[List[int]], ctx, desc: str, with_entropy: bo
                 n = len(ids[i])
                 for out, batch in parts:
                     out[i, :n] = batch[j, :n]
+            del parts
+            release_freed_memory()  # the batch's activations: not kept mapped under the next batch
     finally:
         for handle in handles:
             handle.remove()
+    del weight, bias
+    release_freed_memory()
     return hidden, entropy, blocks
 
 
