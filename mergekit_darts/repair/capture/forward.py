@@ -111,6 +111,9 @@ def plain_generation_config(model):
     from it, so the expert's own generation_config.json would otherwise change the continuation."""
     from transformers import GenerationConfig
 
+    if not hasattr(model, "generation_config"):  # not a transformers model: nothing to replace
+        yield
+        return
     saved = model.generation_config
     model.generation_config = GenerationConfig()
     try:
