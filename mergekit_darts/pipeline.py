@@ -150,15 +150,20 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
 
 
 def summary_lines(report: dict) -> List[str]:
-    """One line per domain: held-out bias and KL to the expert, before -> after."""
+    """Per domain: held-out bias and KL to the expert, before -> after, and what decided the verdict."""
+    from mergekit_darts.repair.report.verdict import verdict_note
+
     lines = []
     for name, entry in report["domains"].items():
         split = _split_label(entry)
         parts = [before_after(entry.get("bias"), f"{split} bias"),
                  before_after(entry.get("held_out_kl"), f"{split} KL to expert")]
-        status = (entry.get("verdict") or {}).get("status", "improved")
+        verdict = entry.get("verdict") or {}
+        status = verdict.get("status", "improved")
         warning = "" if status == "improved" else f"  WARNING: {status.replace('_', '-')} vs the plain merge"
         lines.append(f"{name}: " + ", ".join(part for part in parts if part) + warning)
+        if verdict:
+            lines.append(f"  verdict {status.replace('_', '-')}: {verdict_note(verdict)}")
     default = report.get("default_domain")
     if isinstance(default, dict) and default.get("used") != default.get("requested"):
         lines.append(f"default domain: {default['used']} (requested {default['requested']}: {default.get('reason')})")

@@ -260,8 +260,51 @@ def test_worse_domain_is_not_made_the_default_unless_forced(tiny_family, merged_
 
 def test_improved_domain_stays_the_default(tiny_family, merged_copy, tmp_path):
     report = run_surgery(_config(tiny_family, tmp_path, steps=60), merged_copy, progress=False)
-    assert report["domains"]["math"]["verdict"]["status"] == "improved"
+    entry = report["domains"]["math"]
+    verdict = entry["verdict"]
+    assert verdict["status"] == "improved"
     assert json.loads((Path(merged_copy) / "config.json").read_text())["darts_domain"] == "math"
+    # decided by the objective's own held-out value (ewl1 here), and the report says so
+    assert verdict["decided_by"] == "held-out ewl1 loss"
+    assert (verdict["before"], verdict["after"]) == (entry["held_out_loss"]["before"], entry["held_out_loss"]["after"])
+    assert "decided by held-out ewl1 loss" in (Path(merged_copy) / "README.md").read_text()
+    assert any(line.strip().startswith("verdict improved: decided by held-out ewl1 loss") for line in summary_lines(report))
+
+
+def _entry(loss_before_after=None, kl=(0.5, 0.4), bias=(0.30, 0.20)):
+    entry = {"bias": {"mean_before": bias[0], "mean_after": bias[1], "mean_before_weighted": bias[0],
+                      "mean_after_weighted": bias[1]},
+             "held_out_kl": {"before": kl[0], "after": kl[1]}}
+    if loss_before_after:
+        entry["held_out_loss"] = dict(zip(("before", "after"), loss_before_after))
+    return entry
+
+
+def test_verdict_and_default_follow_the_objectives_held_out_metric():
+    """Issue 25 item 5: the verdict used the L1 bias for every hidden-state loss (mse, cosine, ...),
+    so it could call a domain improved while the metric the run optimised got worse."""
+    from mergekit_darts.repair.report.verdict import choose_default, domain_verdict
+
+    entry = _entry(loss_before_after=(0.010, 0.012))  # L1 bias better, the mse objective worse
+    entry["verdict"] = domain_verdict(entry, "mse")
+    assert entry["verdict"]["status"] == "worse" and entry["verdict"]["decided_by"] == "held-out mse loss"
+    assert [d["metric"] for d in entry["verdict"]["disagreeing"]] == ["KL to expert"]
+    report = {"domains": {"math": entry}}
+    assert choose_default(report, "math", allow_worse=False) == "none"
+    kl_only = _entry(kl=(0.5, 0.6), bias=(0.3, 0.1))  # loss: kl decides on the KL, whatever the bias did
+    assert domain_verdict(kl_only, "kl")["status"] == "worse"
+
+
+def test_a_metric_that_disagrees_with_the_verdict_is_reported():
+    from mergekit_darts.repair.report.table import summary_table
+    from mergekit_darts.repair.report.verdict import domain_verdict
+
+    entry = {**_entry(loss_before_after=(0.2, 0.1), kl=(0.5, 0.7)), "calibration": {"train": 6, "held_out": 2}}
+    entry["verdict"] = domain_verdict(entry, "ewl1")
+    assert entry["verdict"]["status"] == "improved" and entry["verdict"]["disagreeing"][0]["status"] == "worse"
+    report = {"domains": {"math": entry}}
+    assert "  verdict improved: decided by held-out ewl1 loss; KL to expert got worse" in summary_lines(report)
+    assert "verdict math: decided by held-out ewl1 loss; KL to expert got worse" in summary_table(report)
 
 
 def test_without_held_out_records_numbers_say_training_records(tiny_family, merged_copy, tmp_path):

@@ -65,6 +65,10 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         verdict = (info.get("verdict") or {}).get("status", "–")
         if verdict in ("worse", "non_finite"):
             verdict = f"**{verdict.replace('_', '-')} than the plain merge**"
+        if info.get("verdict"):  # which metric decided, and any that disagrees
+            from mergekit_darts.repair.report.verdict import verdict_note
+
+            verdict += f" ({verdict_note(info['verdict'])})"
         lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {measured} | {change} "
                      f"| {kl_change} | {_behaviour_cell(info.get('behaviour'))} | {verdict} |")
     lines += _router_lines(darts_meta.get("router"), (report or {}).get("router"))

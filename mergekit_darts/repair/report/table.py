@@ -64,6 +64,11 @@ def summary_table(report: Dict[str, Any]) -> str:
     lines = format_table(training) + [""] + format_table(measured)
     if any(row[1] != "-" for row in behaviour[1:]):
         lines += [""] + format_table(behaviour)
+    from mergekit_darts.repair.report.verdict import verdict_note
+
+    notes = [f"verdict {name}: {verdict_note(entry['verdict'])}" for name, entry in report.get("domains", {}).items()
+             if entry.get("verdict")]
+    lines += [""] + notes if notes else []
     settings = report.get("surgery") or {}
     if settings:
         keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")

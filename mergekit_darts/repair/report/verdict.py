@@ -2,39 +2,64 @@
 with, and the report made JSON-safe (non-finite numbers named, never written)."""
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
-def _headline(entry: Dict[str, Any], loss: str):
-    """(label, before, after) of the held-out metric the training loss optimises: the KL to the expert
-    for ``kl``, the entropy-weighted L1 bias for the ``ew*`` losses, the plain L1 bias otherwise."""
-    if loss == "kl":
-        kl = entry.get("held_out_kl") or {}
-        return "KL to expert", kl.get("before"), kl.get("after")
+def verdict_metrics(entry: Dict[str, Any], loss: str) -> List[Tuple[str, Any, Any]]:
+    """(label, before, after) of every held-out metric a verdict looks at; the first decides. It is the
+    training objective's own value on the held-out records (the KL to the expert for ``kl``, else the
+    ``loss`` itself, ``held_out_loss``), so the verdict and the default domain agree with what the run
+    optimised; the others are reported where they disagree. A new metric (e.g. a behaviour measure)
+    goes in here, first where it should decide."""
+    kl = entry.get("held_out_kl") or {}
     bias = entry.get("bias") or {}
-    if loss.startswith("ew"):
-        return "entropy-weighted bias", bias.get("mean_before_weighted"), bias.get("mean_after_weighted")
-    return "bias", bias.get("mean_before"), bias.get("mean_after")
+    objective = entry.get("held_out_loss") or {}
+    kl_metric = ("KL to expert", kl.get("before"), kl.get("after"))
+    if loss == "kl":
+        metrics = [kl_metric]
+    elif objective:
+        metrics = [(f"{loss} loss", objective.get("before"), objective.get("after")), kl_metric]
+    elif loss.startswith("ew"):  # a report written before held_out_loss existed
+        metrics = [("entropy-weighted bias", bias.get("mean_before_weighted"), bias.get("mean_after_weighted")), kl_metric]
+    else:
+        metrics = [("bias", bias.get("mean_before"), bias.get("mean_after")), kl_metric]
+    return [metric for metric in metrics if metric[1] is not None or metric is metrics[0]]
 
 
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def domain_verdict(entry: Dict[str, Any], loss: str) -> Dict[str, Any]:
-    """``{"status": "improved" | "worse" | "non_finite", "metric", "before", "after", "measured_on"}``:
-    whether the correction made the domain's headline metric better than the plain merge."""
-    label, before, after = _headline(entry, loss)
-    verdict = {"metric": label, "before": before, "after": after,
-               "measured_on": "held-out records" if entry.get("bias_split", "held_out") == "held_out"
-               else "training records"}
+def _status(before: Any, after: Any) -> str:
     if not (_finite(before) and _finite(after)):
-        verdict["status"] = "non_finite"
-    elif after > before:
-        verdict["status"] = "worse"
-    else:
-        verdict["status"] = "improved"
+        return "non_finite"
+    return "worse" if after > before else "improved"
+
+
+def domain_verdict(entry: Dict[str, Any], loss: str) -> Dict[str, Any]:
+    """``{"status": "improved" | "worse" | "non_finite", "decided_by", "before", "after", "measured_on",
+    "disagreeing"}``: whether the correction beat the plain merge on the metric that decides
+    (``verdict_metrics``); ``disagreeing`` lists the other metrics that moved the other way."""
+    (label, before, after), *others = verdict_metrics(entry, loss)
+    status = _status(before, after)
+    held_out = entry.get("bias_split", "held_out") == "held_out"
+    verdict = {"status": status, "decided_by": f"{'held-out' if held_out else 'training-records'} {label}",
+               "metric": label, "before": before, "after": after,
+               "measured_on": "held-out records" if held_out else "training records"}
+    verdict["disagreeing"] = [
+        {"metric": other, "before": b, "after": a, "status": _status(b, a)}
+        for other, b, a in others if status != "non_finite" and _status(b, a) not in (status, "non_finite")]
     return verdict
+
+
+def verdict_note(verdict: Dict[str, Any]) -> str:
+    """``"decided by held-out ewl1 loss; KL to expert got worse"``: the verdict's basis, one phrase."""
+    if not verdict:
+        return ""
+    note = f"decided by {verdict.get('decided_by', verdict.get('metric', '?'))}"
+    for other in verdict.get("disagreeing") or ():
+        note += f"; {other['metric']} got {'worse' if other['status'] == 'worse' else 'better'}"
+    return note
 
 
 def choose_default(report: Dict[str, Any], requested: str, allow_worse: bool) -> str:

@@ -23,6 +23,17 @@ def check_finite_training(name: str, module, corrected: torch.Tensor, surgery: S
         )
 
 
+def held_out_objective(loss: str, held: Dict[str, torch.Tensor], corrected: torch.Tensor) -> Dict[str, float]:
+    """The training loss itself on the held-out records, plain merge vs corrected: what the verdict is
+    decided on for hidden-state losses (report.verdict.verdict_metrics; ``kl`` uses held_out_kl)."""
+    from mergekit_darts.repair.train.losses import surgery_loss
+
+    target, mask, entropy = held["target"].float(), held["mask"], held["entropy"]
+    before = surgery_loss(loss, held["merged"].float(), target, mask, entropy=entropy)
+    after = surgery_loss(loss, corrected.float(), target, mask, entropy=entropy)
+    return {"before": float(before), "after": float(after)}
+
+
 @dataclass
 class TrainedDomain:
     module: Any  # DomainSurgery, on the CPU, in eval mode
@@ -109,6 +120,8 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     # correction recovers: the quantity that decides generation (docs/design.md §3)
     entry["held_out_kl"] = held_out_kl(measured, {k: v.to(device) for k, v in held.items()},
                                        data.expert_head.to(device), merged_head.to(device), surgery.kl_chunk_size)
+    if not kl:
+        entry["held_out_loss"] = held_out_objective(surgery.loss, held, corrected)
     module.cpu()  # the greedy-agreement figures on the cpu, where the cached states are
     entry["behaviour"] = domain_behaviour(data, eval_idx, corrected, module, merged_head.cpu(),
                                           surgery.domains[name].calibration.continue_tokens,
