@@ -119,6 +119,7 @@ class CalibrationConfig(_Strict):
              "(plain text: a template names it {text})"),
             ("field", self.template is not None, "is not read with 'template' (the template names the fields)"),
             ("continue_temperature", self.continue_samples == 0, "is used only with continue_samples > 0"),
+            ("synthesize_temperature", self.synthesize == 0, "is used only with synthesize > 0"),
         ]
         for key, ignored, why in rules:
             if key in given and ignored:

@@ -225,6 +225,8 @@ def check_selection_prompts(surgery: SurgeryConfig, prompts: Dict[str, int]) -> 
     key = "early_stopping" if surgery.early_stopping else "lr_candidates"
     for name, count in prompts.items():
         train, _ = _split_sizes(count, surgery.held_out)
+        # synthesized prompts only ever train: counted as if all N survive their filters (at most that many)
+        train += surgery.domains[name].calibration.synthesize
         _, validation = _split_sizes(train, surgery.validation)
         if validation == 0:
             raise SurgeryConfigError(

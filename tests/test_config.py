@@ -85,6 +85,7 @@ def test_ignored_option_combinations_are_errors(settings, message):
     ({"path": "x.jsonl", "separator": "blank"}, "'separator' splits only a .txt 'path'"),
     ({"path": "x.jsonl", "field": "q", "template": "{q}"}, "'field' is not read with 'template'"),
     ({"texts": ["a"], "continue_tokens": 8, "continue_temperature": 0.7}, "'continue_temperature' is used only with"),
+    ({"texts": ["a"], "synthesize_temperature": 0.7}, "'synthesize_temperature' is used only with synthesize"),
 ])
 def test_ignored_calibration_keys_are_errors(calibration, message):
     with pytest.raises(SurgeryConfigError, match="surgery.domains.math.calibration: " + message):
