@@ -83,3 +83,38 @@ def assert_same_logits(actual, expected, rel=1e-4):
     diff = (actual - expected).abs().max().item()
     scale = expected.abs().max().item()
     assert diff <= rel * scale, f"max |diff| {diff:.3g} > {rel} * max |logit| {scale:.3g}"
+
+
+def realistic_padding(path):
+    """Make the model directory ``path`` pad the way Llama-style releases do: pad = eos (config,
+    generation config, tokenizer) and the pad token's embedding row is a real, non-zero one (the tiny
+    models' own <pad> row is zero: padding_idx), so states at padded positions are not zero and code
+    that forgets the mask gives visibly wrong answers. Returns the pad (= eos) token id."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as handle:
+        config = json.load(handle)
+    pad = config["pad_token_id"] = config["eos_token_id"]
+    with open(config_path, "w") as handle:
+        json.dump(config, handle, indent=2)
+    generation_path = os.path.join(path, "generation_config.json")
+    if os.path.exists(generation_path):
+        with open(generation_path) as handle:
+            generation = json.load(handle)
+        generation["pad_token_id"] = pad
+        with open(generation_path, "w") as handle:
+            json.dump(generation, handle, indent=2)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(path)
+    weights = {}
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(path, name)))
+    row = weights["model.embed_tokens.weight"][pad]
+    assert float(row.abs().max()) > 0.1 * float(weights["model.embed_tokens.weight"].abs().max()), "pad row is ~zero"
+    return pad

@@ -5,6 +5,7 @@ import threading
 
 import torch
 
+from helpers import realistic_padding
 from mergekit_darts.remote_code.modeling_darts import default_position_ids
 from mergekit_darts.tiny import make_random_model
 from test_modeling import PROMPTS, make_darts_dir, tokenizer_for
@@ -14,7 +15,9 @@ VISIBLE = 1.0
 
 
 def make_tiny_darts_dir(path, head_rank=3):
+    """Pad = eos with a non-zero embedding row (helpers.realistic_padding), random surgery exported."""
     make_random_model(path, arch="llama", seed=3, hidden_size=64)
+    realistic_padding(path)
     return make_darts_dir(path, head_rank=head_rank)
 
 

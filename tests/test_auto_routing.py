@@ -14,9 +14,9 @@ import torch
 
 from loading_helpers import VISIBLE, make_tiny_darts_dir, run_concurrently
 from mergekit_darts.output.export import export_surgery
-from mergekit_darts.remote_code.routing import pool_prompt_states
+from mergekit_darts.remote_code.routing import pool_prompt_states, pooled_from_sums
 from mergekit_darts.repair.router import fit_router
-from test_modeling import PROMPTS, load, tokenizer_for
+from test_modeling import PAD, PROMPTS, load, tokenizer_for
 from test_router import CODE, MATH, _config
 
 DATA = Path(__file__).parent / "data"
@@ -53,15 +53,18 @@ def auto(tmp_path_factory):
 
 
 def generate(model, inputs, **kwargs):
-    return model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=3, **kwargs)
+    return model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 def alone(tokenizer, prompt):
     return {"input_ids": tokenizer(prompt, return_tensors="pt").input_ids}
 
 
-def routed_indices(model, picks):
-    return [model.darts_domains.index(pick) if pick != "none" else -1 for pick in picks]
+def picks_from_sums(model, sums):
+    """The domains the router picks from routing sums (routing.prompt_state_sums) carried between calls."""
+    router = model.darts.router
+    with torch.no_grad():
+        return [router.domains[i] if i >= 0 else "none" for i in router(pooled=pooled_from_sums(sums)).tolist()]
 
 
 def test_routing_is_deterministic_and_separates_the_domains(auto):
@@ -96,15 +99,19 @@ def test_generate_auto_equals_each_prompt_alone_with_its_domain(auto, use_cache)
     (unpadded) with the routed domain named, so the row kept its prefill domain at every step."""
     model, batch, tokenizer = auto["model"], auto["batch"], auto["tokenizer"]
     prompt_len = batch.input_ids.shape[1]
-    steps = []  # the per-row index tensor generate hands to each step's forward
-    handle = model.register_forward_pre_hook(lambda module, args, kwargs: steps.append(kwargs["darts_domain"].clone()),
-                                             with_kwargs=True)
+    steps = []  # what generate hands each step's forward: the rows, the step kind, the routing sums
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: steps.append((kwargs["darts_rows"].tolist(), kwargs["darts_route"],
+                                                   kwargs["darts_route_state"].clone())), with_kwargs=True)
     try:
         together = generate(model, batch, darts_domain="auto", use_cache=use_cache)[:, prompt_len:]
     finally:
         handle.remove()
-    assert len(steps) == 6 and steps[0].tolist() == [-2] * len(PROMPTS)  # routed at the prefill ...
-    assert all(step.tolist() == routed_indices(model, auto["picks"]) for step in steps[1:])  # ... then kept
+    assert len(steps) == 6 and all(rows == [-2] * len(PROMPTS) for rows, _, _ in steps)  # never written into
+    assert [kind for _, kind, _ in steps] == ["prefill"] + ["decode"] * 5
+    assert not steps[0][2].any()  # the prefill adds the prompt's states to the sums ...
+    assert all(torch.equal(state, steps[1][2]) for _, _, state in steps[1:])  # ... then they stay
+    assert picks_from_sums(model, steps[1][2]) == auto["picks"]
     assert torch.equal(generate(model, batch, use_cache=use_cache)[:, prompt_len:], together)  # default "auto"
     per_row = generate(model, batch, darts_domain=["auto", "none", "auto"], use_cache=use_cache)[:, prompt_len:]
     for row, (prompt, pick) in enumerate(zip(PROMPTS, auto["picks"])):
@@ -137,7 +144,7 @@ def test_manual_loop_with_the_kv_cache_keeps_the_routing(auto):
     ids, mask = batch.input_ids, batch.attention_mask
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # as generate derives them
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, darts_domain="auto")
-    assert out.cache._darts_routed_rows.tolist() == routed_indices(model, auto["picks"])
+    assert picks_from_sums(model, out.cache._darts_route_sums) == auto["picks"]
     tokens = [out.logits[:, -1].argmax(-1)]
     for _ in range(5):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -317,10 +324,10 @@ def test_a_reset_cache_is_a_new_sequence_and_static_caches_route(auto):
     first = tokenizer([PROMPTS[0], PROMPTS[1]], return_tensors="pt", padding=True)
     swapped = tokenizer([PROMPTS[1], PROMPTS[0]], return_tensors="pt", padding=True)
     cache = model(**first, use_cache=True, darts_domain="auto").cache
-    assert cache._darts_routed_rows.tolist() == routed_indices(model, auto["picks"][:2])
+    assert picks_from_sums(model, cache._darts_route_sums) == auto["picks"][:2]
     cache.reset()
     logits = model(**swapped, cache=cache, use_cache=True, darts_domain="auto").logits
-    assert cache._darts_routed_rows.tolist() == routed_indices(model, auto["picks"][1::-1])
+    assert picks_from_sums(model, cache._darts_route_sums) == auto["picks"][1::-1]
     torch.testing.assert_close(logits, model(**swapped, darts_domain=auto["picks"][1::-1]).logits, rtol=0, atol=1e-5)
     static = generate(model, swapped, darts_domain="auto", cache_implementation="static")
     assert torch.equal(static, generate(model, swapped, darts_domain=auto["picks"][1::-1]))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loading_helpers import VISIBLE, make_tiny_darts_dir, manual_rows, padded_batch, run_concurrently
-from test_modeling import PROMPTS, load, tokenizer_for
+from test_modeling import PAD, PROMPTS, load, tokenizer_for
 
 MIXED = ["math", "code", "none"]  # one per PROMPTS row
 
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 
 
 def generate(model, inputs, **kwargs):
-    return model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=3, **kwargs)
+    return model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD, **kwargs)
 
 
 def test_per_call_domain_leaves_the_default(tiny):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loading_helpers import VISIBLE, make_tiny_darts_dir, manual_rows, padded_batch
-from test_modeling import load
+from test_modeling import PAD, load
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +107,8 @@ def test_device_map_auto_with_disk_offload(tiny, tmp_path):
     assert model.darts["math"].down.weight.device.type == "meta"
     # same float32 math on the same device: only summation order could differ
     assert_corrected(model, tiny, atol_vs_full=1e-5)
-    generated = model.generate(**tiny["batch"], max_new_tokens=4, do_sample=False, pad_token_id=3)
-    expected = tiny["reference"].generate(**tiny["batch"], max_new_tokens=4, do_sample=False, pad_token_id=3)
+    generated = model.generate(**tiny["batch"], max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    expected = tiny["reference"].generate(**tiny["batch"], max_new_tokens=4, do_sample=False, pad_token_id=PAD)
     assert torch.equal(generated, expected)
 
 

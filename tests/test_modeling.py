@@ -11,10 +11,12 @@ import shutil
 import pytest
 import torch
 
+from helpers import realistic_padding
 from mergekit_darts.output.export import export_surgery
 from mergekit_darts.remote_code.surgery import DomainSurgery
 from mergekit_darts.tiny import make_random_model
 
+PAD = 2  # every fixture pads with eos, whose embedding row is not zero (helpers.realistic_padding)
 MAX_POSITIONS = 6  # small, so test sequences also cover positions without a position correction
 PROMPTS = ["how many apples are left", "def sum ( a , b ) : return a + b", "write a python function"]
 
@@ -81,13 +83,14 @@ def manual_greedy(plain, surgery, input_ids, new_tokens):
 
 
 def greedy(model, **inputs):
-    return model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=3)
+    return model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
 
 
 @pytest.fixture(scope="module")
 def darts_dir(tiny_family, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("darts") / "merged")
     shutil.copytree(tiny_family["merged"], path)
+    realistic_padding(path)
     return path, make_darts_dir(path)
 
 
@@ -95,6 +98,7 @@ def darts_dir(tiny_family, tmp_path_factory):
 def head_dir(tiny_family, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("darts_head") / "merged")
     shutil.copytree(tiny_family["merged"], path)
+    realistic_padding(path)
     return path, make_darts_dir(path, head_rank=3)
 
 
@@ -318,6 +322,7 @@ def test_architectures(tmp_path, arch):
         make_random_model(path, arch=arch, seed=3)
     else:
         make_other_model(path, arch)
+    realistic_padding(path)
     plain = load(path)
     modules = make_darts_dir(path, head_rank=2)
     model = load(path, trust_remote_code=True)

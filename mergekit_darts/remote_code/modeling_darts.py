@@ -2,15 +2,14 @@
 
 Copied with ``surgery.py``, ``blocks.py``, ``routing.py`` and ``hooks.py`` into every output directory
 and loaded there by transformers' remote-code loader: these import torch, transformers, the standard
-library's ``contextvars``/``dataclasses``/``functools``/``threading``/``typing`` and each other only, and
-touch no files.
+library's ``dataclasses``/``functools``/``threading``/``typing`` and each other only, and touch no files.
 
-The corrected model is the plain ``<Arch>ForCausalLM`` with forward hooks (hooks.py): on the final norm
-``h -> s(h, position_ids)`` for each row's domain's ``DomainSurgery`` ``s``; on the LM head (only when
-``head_rank > 0``) ``logits += s.head_correction(h_hat)``; with ``depth: k``, on every linear of the
-last ``k`` decoder blocks ``y += up(down(x))`` (blocks.py). The parent's ``forward`` (labels/loss,
-``logits_to_keep``, KV cache, generate) is untouched; it is only wrapped to tell the hooks what the
-current call needs (``_DartsCall``), in a ``ContextVar`` rather than on the instance.
+The corrected model is the plain ``<Arch>ForCausalLM`` whose LM head applies each row's domain's
+``DomainSurgery`` ``s`` to its input (``h -> s(h, position_ids)``, then ``logits += s.head_correction``
+when ``head_rank > 0``) and, with ``depth: k``, whose last ``k`` decoder blocks add ``up(down(x))`` to
+each linear (blocks.py). The parent's ``forward`` (labels/loss, ``logits_to_keep``, KV cache, generate)
+is untouched; ``forward`` here only turns the call's ``darts_domain`` into tensors (``hooks.DartsCall``)
+that the attachments in hooks.py read.
 """
 
 from typing import Sequence
@@ -22,32 +21,32 @@ from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM
 from transformers.utils import logging
 
 from .blocks import BlockAdapter, block_linear_targets
-from .hooks import (_ACTIVE_CALL, AUTO_INDEX, NONE_INDEX, _DartsCall, _darts_head_hook, _darts_norm_hook,
-                    _darts_route_hook, _PendingRoute, install_block_hooks)
+from .hooks import AUTO_INDEX, NONE_INDEX, DartsCall, PendingRoute, attach, resolve_route, set_active_call
 from .routing import DomainModules, DomainRouter, route_rows
-from .surgery import DomainSurgery, SurgeryShape
+from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors
 
 logger = logging.get_logger(__name__)
 
 NONE_DOMAIN = "none"
 AUTO_DOMAIN = "auto"  # each row's domain is picked by the router from its prompt (docs/routing.md)
-_ROUTED_ATTR = "_darts_routed_rows"  # on a KV cache object: its rows' routed domain indices (CPU [B])
+_ROUTE_ATTR = "_darts_route_sums"  # on a KV cache object: the routing sums of its sequences' prompts
 
 
 def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) -> torch.Tensor:
     """Position ids of the current tokens when the caller gave none, as ``generate`` derives them:
     from a 2-D attention mask (cumsum - 1, so left padding is skipped; padding gets 0), else
-    ``arange`` after the cached length. The last ``seq_len`` columns are the current tokens."""
+    ``arange`` after the cached length (a tensor for static caches: no host sync). The last
+    ``seq_len`` columns are the current tokens."""
     if attention_mask is not None and attention_mask.dim() == 2:
         positions = attention_mask.long().cumsum(-1) - 1
         positions = positions.masked_fill(attention_mask == 0, 0)
         return positions[:, -seq_len:]
     past = cache.get_seq_length() if cache is not None else 0
-    return torch.arange(past, past + seq_len, device=device).unsqueeze(0)
+    return (torch.arange(seq_len, device=device) + past).unsqueeze(0)
 
 
 class DartsMixin:
-    """Adds ``self.darts`` (one ``DomainSurgery`` per domain) and the hooks that apply the active one.
+    """Adds ``self.darts`` (one ``DomainSurgery`` per domain) and the attachments that apply them.
 
     ``config.darts`` holds the modules' shape (``SurgeryShape.to_meta``), the loss, ``domains``
     ({name: expert}) and the writing version; ``config.darts_domain`` names the default domain
@@ -72,22 +71,29 @@ class DartsMixin:
         super().post_init()
 
     def _build_darts(self):
-        meta = getattr(self.config, "darts", None) or {}
-        domains = meta.get("domains") or {}
+        meta = getattr(self.config, "darts", None)
+        if not isinstance(meta, dict):
+            raise ValueError(
+                "config.darts: config.json has no darts entry (got "
+                f"{type(meta).__name__ if meta is not None else 'none'}), so this directory was not written by "
+                "mergekit-darts or its config.json was replaced; load it without trust_remote_code for the plain "
+                "model, or export the surgery again with mergekit-darts")
+        if "domains" not in meta or not isinstance(meta["domains"], dict):
+            raise ValueError("config.darts.domains: missing or not a mapping of domain name -> expert; the "
+                             "config.json was not written by mergekit-darts (or was edited)")
+        domains = meta["domains"]
         shape = SurgeryShape.from_meta(meta) if domains else None
         # darts.router.* (when exported): picks each prompt's domain for "auto"
         router = DomainRouter.from_meta(meta["router"], self.config.hidden_size) if meta.get("router") else None
-        targets = block_linear_targets(self.model.layers, shape.depth) if shape is not None and shape.depth else None
+        depth = shape.depth if shape is not None else 0
+        targets = block_linear_targets(self.model.layers, depth) if depth else None
         self.darts = DomainModules({name: DomainSurgery.from_shape(shape, self.config.hidden_size,
                                                                    self.config.vocab_size, targets)
-                                    for name in domains}, router)
-        self._darts_depth = shape.depth if shape is not None else 0
-        if self._darts_depth:  # "auto" rows are routed from the input of the first adapted block
-            self.model.layers[len(self.model.layers) - self._darts_depth].register_forward_pre_hook(
-                _darts_route_hook, with_kwargs=True)
-        self.model.norm.register_forward_hook(_darts_norm_hook)
-        self.lm_head.register_forward_hook(_darts_head_hook)
-        self.set_darts_domain(getattr(self.config, "darts_domain", None) or NONE_DOMAIN)
+                                    for name in domains}, router,
+                                   first_adapted_layer=len(self.model.layers) - depth if depth else None)
+        attach(self)
+        default = getattr(self.config, "darts_domain", None)
+        self.set_darts_domain(NONE_DOMAIN if default is None else default)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -95,7 +101,10 @@ class DartsMixin:
         # darts.* tensors silently becomes the plain merged model, so say so in its own words.
         wants_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        check_darts_tensors(model.darts, f"{source}/darts.safetensors", info.get("mismatched_keys") or ())
         model._warn_missing_darts(info.get("missing_keys") or ())
+        attach(model)  # a quantizer may have swapped the adapted linears while loading
         return (model, info) if wants_info else model
 
     def _warn_missing_darts(self, missing_keys) -> None:
@@ -147,7 +156,6 @@ class DartsMixin:
         return self._darts_domain
 
     def _domain_index(self, name) -> int:
-        name = NONE_DOMAIN if name is None else name
         if name == AUTO_DOMAIN:
             if self.darts.router is None:
                 raise ValueError("darts_domain: 'auto' needs the domain router, but this model has none (no "
@@ -162,122 +170,178 @@ class DartsMixin:
     def set_darts_domain(self, name: "str | None") -> None:
         """Set the default domain: ``name``'s correction; "none" (or None) runs the plain merged model;
         "auto" lets the router pick each row's domain from its prompt."""
-        name = NONE_DOMAIN if name is None else str(name)
+        name = NONE_DOMAIN if name is None else name
         self._domain_index(name)
         self._darts_domain = name
         self.config.darts_domain = name  # so save_pretrained keeps the choice
 
-    def _darts_domain_rows(self, darts_domain, batch_size: int) -> torch.Tensor:
-        """The one mapping from a call's ``darts_domain`` argument to per-row domain indices: a CPU
-        LongTensor [batch_size], ``i`` = ``darts_domains[i]``, ``NONE_INDEX`` (-1) = "none".
+    def _call_plan(self, darts_domain, batch_size: int, device):
+        """The one mapping from a call's ``darts_domain`` to what the attachments apply: None (the plain
+        model), ``(index, None, False)`` (one domain for every row) or ``(None, rows, may_route)`` with
+        rows a LongTensor [batch_size] on ``device``: ``i`` = ``darts_domains[i]``, ``NONE_INDEX`` (-1) =
+        "none", ``AUTO_INDEX`` (-2) = routed from the row's prompt (``may_route``: such rows can occur).
 
-        Accepts None (the model's default domain), one name (every row), a sequence of names (one
-        per row) or such an index tensor (what ``generate`` carries between steps, expanded for
-        beams). ``AUTO_INDEX`` (-2) marks a row for the router ("auto"): ``forward`` fills such rows of
-        a tensor in place with the routed indices at the prefill, so later steps keep that domain."""
-        if darts_domain is None or isinstance(darts_domain, str):
-            return torch.full((batch_size,), self._domain_index(self._darts_domain if darts_domain is None else darts_domain), dtype=torch.long)
-        if isinstance(darts_domain, torch.Tensor):
-            rows = darts_domain.detach().to("cpu")
-            if rows.dtype not in (torch.int64, torch.int32) or rows.dim() != 1:
-                raise ValueError(f"darts_domain: an index tensor must be 1-D integer, got {rows.dtype} {tuple(rows.shape)}")
-            lowest = NONE_INDEX if self.darts.router is None else AUTO_INDEX
-            if rows.numel() and (rows.min() < lowest or rows.max() >= len(self.darts)):
-                raise ValueError(f"darts_domain: domain indices must be in [{lowest}, {len(self.darts) - 1}]")
-            rows = rows.long()
-        elif isinstance(darts_domain, Sequence):
-            rows = torch.tensor([self._domain_index(name) for name in darts_domain], dtype=torch.long)
-        else:
-            raise ValueError(
-                f"darts_domain: expected a domain name, a list of names (one per batch row) or None, "
-                f"got {type(darts_domain).__name__}"
-            )
+        Accepts None (the model's default domain), one name (every row), a sequence of names (one per
+        row) or such an index tensor. Decided from the argument alone, never from tensor values."""
+        wanted = self._darts_domain if darts_domain is None else darts_domain
+        if isinstance(wanted, str):
+            index = self._domain_index(wanted)
+            if index == NONE_INDEX:
+                return None
+            if index == AUTO_INDEX:
+                return None, torch.full((batch_size,), AUTO_INDEX, dtype=torch.long, device=device), True
+            return index, None, False
+        if isinstance(wanted, torch.Tensor):
+            return None, self._checked_rows(wanted, batch_size, device), self.darts.router is not None
+        if isinstance(wanted, Sequence):
+            indices = [self._domain_index(name) for name in wanted]
+            if len(indices) != batch_size:
+                raise ValueError(f"darts_domain: {len(indices)} domains given for a batch of {batch_size} rows")
+            if set(indices) == {NONE_INDEX}:
+                return None
+            if len(set(indices)) == 1 and indices[0] != AUTO_INDEX:
+                return indices[0], None, False
+            return None, torch.tensor(indices, dtype=torch.long, device=device), AUTO_INDEX in indices
+        raise ValueError(f"darts_domain: expected a domain name, a list of names (one per batch row) or None, "
+                         f"got {type(wanted).__name__}")
+
+    def _checked_rows(self, rows: torch.Tensor, batch_size: int, device) -> torch.Tensor:
+        if rows.dtype not in (torch.int64, torch.int32) or rows.dim() != 1:
+            raise ValueError(f"darts_domain: an index tensor must be 1-D integer, got {rows.dtype} {tuple(rows.shape)}")
         if rows.shape[0] != batch_size:
             raise ValueError(f"darts_domain: {rows.shape[0]} domains given for a batch of {batch_size} rows")
-        return rows
-
-    def _darts_groups(self, rows: torch.Tensor):
-        """((surgery, row indices or None for the whole batch), ...) for the domains present."""
-        surgeries = list(self.darts.values())
-        present = sorted(set(rows.tolist()) - {NONE_INDEX})
-        if len(present) == 1 and bool((rows == present[0]).all()):
-            return ((surgeries[present[0]], None),)
-        return tuple((surgeries[i], torch.nonzero(rows == i).flatten()) for i in present)
+        lowest = NONE_INDEX if self.darts.router is None else AUTO_INDEX
+        message = f"darts_domain: domain indices must be in [{lowest}, {len(self.darts) - 1}]"
+        valid = (rows >= lowest) & (rows < len(self.darts))
+        if rows.device.type == "cpu" and not torch.compiler.is_compiling():
+            if not bool(valid.all()):
+                raise ValueError(message)
+        else:  # checked on the device, without waiting for it
+            torch._assert_async(valid.all(), message)
+        return rows.to(device=device, dtype=torch.long, copy=True)  # never written into: the caller's stays
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, logits_to_keep=0, darts_domain=None,
-                **kwargs):
+                darts_rows=None, darts_route=None, darts_route_state=None, darts_prompt_mask=None, **kwargs):
+        """``darts_domain``: see ``_call_plan``. ``darts_prompt_mask`` [B, T]: the current tokens that
+        are real prompt tokens, for "auto" rows with a 4-D ``attention_mask``. ``darts_rows``,
+        ``darts_route`` and ``darts_route_state`` are what ``generate`` hands every step (validated
+        per-row indices; "prefill"/"decode"; the routing sums carried between steps)."""
         # Explicit position_ids / logits_to_keep: generate() inspects the signature for both.
-        call = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    logits_to_keep=logits_to_keep, **kwargs)
+        call_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           logits_to_keep=logits_to_keep, **kwargs)
         embeds = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if embeds is None:  # let the parent raise its own error
-            return super().forward(**call)
-        rows = self._darts_domain_rows(darts_domain, embeds.shape[0])
+            return super().forward(**call_kwargs)
+        batch, length = embeds.shape[:2]
+        plan = ((None, darts_rows, darts_route_state is not None) if darts_rows is not None
+                else self._call_plan(darts_domain, batch, embeds.device))
+        if plan is None:
+            return super().forward(**call_kwargs)
+        if not torch.compiler.is_compiling():
+            attach(self)
+        domain, rows, may_route = plan
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        rows, route = self._auto_rows(rows, cache, attention_mask, embeds.shape[1])
-        groups = () if route is not None else self._darts_groups(rows)
-        if route is None and not groups:
-            return super().forward(**call)
         if position_ids is None:
             # the position the surgery was trained on: the token's index within its sequence
-            position_ids = default_position_ids(embeds.shape[1], attention_mask, cache, embeds.device)
-        layers = None
-        if self._darts_depth:
-            install_block_hooks(self.model.layers, next(iter(self.darts.values())))
-            layers = self.model.layers
-        token = _ACTIVE_CALL.set(_DartsCall(self.model.norm, self.lm_head, groups, position_ids, route, layers))
+            position_ids = default_position_ids(length, attention_mask, cache, embeds.device)
+        route = None
+        if may_route:
+            route = self._pending_route(attention_mask, darts_prompt_mask, darts_route, darts_route_state, cache,
+                                        batch, length)
+        adapted = self.darts.first_adapted_layer is not None
+        call = DartsCall(self.darts, self.model.norm, self.get_output_embeddings(),
+                         self.model.layers if adapted else None, (batch, length), position_ids, logits_to_keep,
+                         domain, rows, route)
+        if route is not None and not route.pool:  # a later step of a routed sequence: nothing to read
+            resolve_route(call)
+        if adapted:
+            call_kwargs["darts_call"] = call  # reaches every decoder layer, and their checkpointed replay
+        previous = set_active_call(call)
         try:
-            outputs = super().forward(**call)
+            outputs = super().forward(**call_kwargs)
         finally:
-            _ACTIVE_CALL.reset(token)
-        if route is not None and route.routed is not None:
-            if isinstance(darts_domain, torch.Tensor):  # generate's per-row tensor: later steps reuse the routing
-                pending = darts_domain == AUTO_INDEX
-                darts_domain[pending] = route.routed.to(darts_domain.device, darts_domain.dtype)[pending]
-            if getattr(outputs, "cache", None) is not None:  # a manual loop passes this cache back
-                setattr(outputs.cache, _ROUTED_ATTR, route.routed)
+            set_active_call(previous)
+        if route is not None and darts_route is None and route.sums is not None:
+            out_cache = getattr(outputs, "cache", None) or getattr(outputs, "past_key_values", None)
+            if out_cache is not None:  # a manual loop passes this cache back: later calls keep the routing
+                setattr(out_cache, _ROUTE_ATTR, route.sums)
         return outputs
 
-    def _auto_rows(self, rows, cache, attention_mask, seq_len):
-        """(rows, route): "auto" rows are routed once per sequence, at its first call (the prefill);
-        a continuation (non-empty cache) takes the rows routed then. An empty cache is a new
-        sequence even if it carries an earlier routing (generate may reuse a static cache)."""
-        if not bool((rows == AUTO_INDEX).any()):
-            return rows, None
-        earlier = getattr(cache, _ROUTED_ATTR, None)
-        if earlier is not None and earlier.shape == rows.shape and cache.get_seq_length() > 0:
-            return torch.where(rows == AUTO_INDEX, earlier, rows), None
-        mask = attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.dim() == 2 else None
-        to_domain = torch.tensor([self.darts_domains.index(name) for name in self.darts.router.domains])
-        return rows, _PendingRoute(self.darts.router, rows, mask, to_domain, self._darts_groups)
+    def _pending_route(self, attention_mask, prompt_mask, step, state, cache, batch, length) -> PendingRoute:
+        """"auto" rows are routed on their prompt: a call routes on its own tokens unless it continues a
+        sequence whose prompt was seen already (a generate step after the prefill; a manual loop's call
+        with a non-empty cache that carries the routing sums), which takes those sums."""
+        router = self.darts.router
+        to_domain = tuple(self.darts_domains.index(name) for name in router.domains)
+        if step == "decode":
+            return PendingRoute(router, to_domain, state=state, pool=False)
+        mask = self._routing_mask(prompt_mask, attention_mask, length)
+        if step == "prefill":  # generate: every prefill chunk adds its tokens to the carried sums
+            return PendingRoute(router, to_domain, mask=mask, state=state, accumulate=True)
+        carried = getattr(cache, _ROUTE_ATTR, None) if cache is not None else None
+        if carried is None or carried.shape[0] != batch:
+            return PendingRoute(router, to_domain, mask=mask)
+        past = cache.get_seq_length()
+        if isinstance(past, torch.Tensor):  # a static cache: whether it is empty is known on the device only
+            return PendingRoute(router, to_domain, mask=mask, state=carried, fresh=past == 0)
+        if past == 0:  # an emptied cache (reset) starts a new sequence
+            return PendingRoute(router, to_domain, mask=mask)
+        return PendingRoute(router, to_domain, state=carried, pool=False)
+
+    @staticmethod
+    def _routing_mask(prompt_mask, attention_mask, length):
+        """[B, length]: which current tokens are real prompt tokens (None: all of them)."""
+        mask = prompt_mask if prompt_mask is not None else attention_mask
+        if mask is None:
+            return None
+        if mask.dim() != 2:
+            raise ValueError(
+                f"darts_domain='auto': the router averages the prompt's real tokens, but attention_mask has shape "
+                f"{tuple(mask.shape)}; pass darts_prompt_mask=[batch, tokens] (1 at real tokens) with a "
+                "custom mask (generate does this itself from its 2-D mask)")
+        return mask[:, -length:]
 
     def generate(self, *args, darts_domain=None, **kwargs):
-        # names become a per-row index tensor so generate expands it with the batch (beams,
-        # num_return_sequences) and hands it to every step's forward; "auto" rows (-2) are filled in
-        # place with the routed domain at the prefill step, so the whole generation keeps that domain
-        wanted = self._darts_domain if darts_domain is None else darts_domain
-        if isinstance(wanted, torch.Tensor):
-            darts_domain = wanted.detach().to("cpu", torch.long, copy=True)  # never write into the caller's tensor
-        elif not isinstance(wanted, str):
-            darts_domain = self._darts_domain_rows(wanted, len(wanted))
-        elif wanted == AUTO_DOMAIN:
-            inputs = args[0] if args else next((kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds")
-                                                if kwargs.get(k) is not None), None)
-            darts_domain = self._darts_domain_rows(wanted, inputs.shape[0] if inputs is not None else 1)
-        if darts_domain is not None:
-            kwargs["darts_domain"] = darts_domain
+        # A per-row index tensor (on the model's device) goes to every step as ``darts_rows``; generate
+        # expands it with the batch (beams, num_return_sequences). "auto" rows add the routing sums
+        # ``darts_route_state`` [B, H + 1]: the prefill (every chunk of it) adds the prompt's states,
+        # later steps route from them, so each row keeps its prompt's domain for the whole generation.
+        inputs = args[0] if args else next((kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds")
+                                            if kwargs.get(k) is not None), None)
+        batch = inputs.shape[0] if inputs is not None else 1
+        device = inputs.device if inputs is not None else self.device  # (self.device is meta when offloaded)
+        plan = self._call_plan(darts_domain, batch, "cpu")  # checked here once, not at every step
+        if plan is None or plan[0] is not None:  # one name for every step, even if the default changes meanwhile
+            kwargs["darts_domain"] = NONE_DOMAIN if plan is None else self.darts_domains[plan[0]]
+        else:
+            kwargs["darts_rows"] = plan[1].to(device)
+            if plan[2] and bool((plan[1] == AUTO_INDEX).any()):
+                kwargs["darts_route_state"] = torch.zeros(batch, self.config.hidden_size + 1, dtype=torch.float32,
+                                                          device=device)
         return super().generate(*args, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        if kwargs.get("darts_route_state") is not None:
+            prefill = bool(kwargs.get("is_first_iteration"))
+            inputs["darts_route"] = "prefill" if prefill else "decode"
+            mask = kwargs.get("attention_mask")  # the 2-D mask, before it becomes a 4-D one for static caches
+            if prefill and mask is not None and mask.dim() == 2:
+                current = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+                inputs["darts_prompt_mask"] = mask[:, -current.shape[1]:]
+        return inputs
 
     @torch.no_grad()
     def route_domains(self, input_ids, attention_mask=None) -> "list[str]":
         """The domain the router picks for each row of ``input_ids`` [B, T] ("none" below its
         threshold), exactly as ``darts_domain="auto"`` would at prefill. Changes nothing."""
         self._domain_index(AUTO_DOMAIN)  # a clear error when there is no router
+        mask = self._routing_mask(None, attention_mask, input_ids.shape[1])
         positions = default_position_ids(input_ids.shape[1], attention_mask, None, input_ids.device)
         seen = {}
         handle = None
-        if self._darts_depth:  # what the router reads: the first adapted block's input
-            first = self.model.layers[len(self.model.layers) - self._darts_depth]
+        if self.darts.first_adapted_layer is not None:  # what the router reads: the first adapted block's input
+            first = self.model.layers[self.darts.first_adapted_layer]
             handle = first.register_forward_pre_hook(
                 lambda module, args, kwargs: seen.update(hidden=args[0] if args else kwargs["hidden_states"]),
                 with_kwargs=True)
@@ -289,14 +353,12 @@ class DartsMixin:
                 handle.remove()
         hidden = seen.get("hidden", hidden)
         router = self.darts.router
-        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         return [router.domains[i] if i >= 0 else NONE_DOMAIN for i in route_rows(router, hidden, mask).tolist()]
 
     def set_output_embeddings(self, new_embeddings):
-        # resize_token_embeddings swaps the LM head: the head correction must follow it
+        # resize_token_embeddings swaps the LM head: the correction must follow it
         super().set_output_embeddings(new_embeddings)
-        if _darts_head_hook not in new_embeddings._forward_hooks.values():
-            new_embeddings.register_forward_hook(_darts_head_hook)
+        attach(self)
 
 
 # Every architecture below keeps its final norm at ``self.model.norm`` and its LM head at ``self.lm_head``

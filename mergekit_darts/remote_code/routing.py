@@ -18,9 +18,9 @@ NO_ROUTE = -1  # route() value of a row that falls back to the plain merge ("non
 _ROUTER_KEYS = ("version", "domains", "threshold", "pooling", "kind")
 
 
-def pool_prompt_states(hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``normalize(sum_t m_t h_t / sum_t m_t)``: [B, T, H] states, [B, T] mask -> [B, H] float32 unit
-    vectors. Padding (left or right) is excluded by the mask; an all-padding row pools to zeros."""
+def prompt_state_sums(hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[sum_t m_t h_t, sum_t m_t]``: [B, T, H] states, [B, T] mask -> [B, H + 1] float32. Sums of
+    several calls over parts of one prompt add up to the sums over the whole prompt (chunked prefill)."""
     h = hidden_states.float()
     if attention_mask is None:
         mask = torch.ones(h.shape[:2], dtype=torch.float32, device=h.device)
@@ -29,8 +29,20 @@ def pool_prompt_states(hidden_states: torch.Tensor, attention_mask: Optional[tor
             raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} does not match "
                              f"hidden_states {tuple(h.shape[:2])}")
         mask = attention_mask.to(device=h.device, dtype=torch.float32)
-    mean = (h * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)
+    return torch.cat([(h * mask.unsqueeze(-1)).sum(dim=1), mask.sum(dim=1, keepdim=True)], dim=-1)
+
+
+def pooled_from_sums(sums: torch.Tensor) -> torch.Tensor:
+    """[B, H + 1] sums (``prompt_state_sums``) -> [B, H] unit vectors: the masked mean, L2-normalised.
+    A row without a real token pools to zeros."""
+    mean = sums[:, :-1] / sums[:, -1:].clamp_min(1.0)
     return nn.functional.normalize(mean, dim=-1)
+
+
+def pool_prompt_states(hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``normalize(sum_t m_t h_t / sum_t m_t)``: [B, T, H] states, [B, T] mask -> [B, H] float32 unit
+    vectors. Padding (left or right) is excluded by the mask; an all-padding row pools to zeros."""
+    return pooled_from_sums(prompt_state_sums(hidden_states, attention_mask))
 
 
 class DomainRouter(nn.Module):
@@ -128,10 +140,14 @@ class DomainRouter(nn.Module):
         chosen, confidence = self.scores(pooled)
         return torch.where(confidence >= self.threshold, chosen, torch.full_like(chosen, NO_ROUTE))
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, hidden_states: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                pooled: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Route [B, T, H] states (and their [B, T] mask), or already ``pooled`` [B, H] ones."""
         weight_device = self.weight.device
-        mask = attention_mask.to(weight_device) if attention_mask is not None else None
-        return self.route(self.pool(hidden_states.to(weight_device), mask))
+        if pooled is None:
+            mask = attention_mask.to(weight_device) if attention_mask is not None else None
+            pooled = self.pool(hidden_states.to(weight_device), mask)
+        return self.route(pooled.to(weight_device))
 
     def extra_repr(self) -> str:
         return (f"domains={self.domains}, hidden_size={self.hidden_size}, kind={self.kind}, "
@@ -157,10 +173,12 @@ class DomainModules(nn.ModuleDict):
     """The emitted model's ``darts`` child: one ``DomainSurgery`` per domain and, under the reserved key
     ``"router"``, the ``DomainRouter`` (its tensors load, save and offload as ``darts.router.*``, float32
     like the domains). Iteration, ``len``, ``in`` and keys/values/items see the domains only; ``.router``
-    is the router or None. Module traversal (state_dict, ``.to``, accelerate) sees both."""
+    is the router or None. Module traversal (state_dict, ``.to``, accelerate) sees both.
+    ``first_adapted_layer``: the index of the first decoder layer with block adapters (``depth``), or None."""
 
-    def __init__(self, domains, router: Optional[DomainRouter] = None):
+    def __init__(self, domains, router: Optional[DomainRouter] = None, first_adapted_layer: Optional[int] = None):
         super().__init__(domains)
+        self.first_adapted_layer = first_adapted_layer
         if router is not None:  # not add_module: it refuses a name that is an attribute (the property)
             self._modules[ROUTER_KEY] = router
 

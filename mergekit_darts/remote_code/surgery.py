@@ -72,6 +72,10 @@ class SurgeryShape:
         if not isinstance(meta, dict):
             raise ValueError(f"config.darts: expected a mapping, got {type(meta).__name__}")
         version = meta.get("format_version", 1)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(
+                f"config.darts.format_version: must be an integer, got {version!r} ({type(version).__name__}); "
+                "config.json was edited or written by another tool: restore the number mergekit-darts wrote")
         if version == 1:  # mergekit-darts 0.1.x: ReLU content was the only kind
             meta = {**meta, "content": "relu"}
         if version in (1, 2):  # before depth existed: the final state only
@@ -252,6 +256,41 @@ class DomainSurgery(nn.Module):
             f"max_positions={self.max_positions}, head_rank={self.head_rank}, content={self.content_kind}"
             + (f", depth={self.depth}, depth_rank={self.depth_rank}" if self.blocks is not None else "")
         )
+
+
+def check_darts_tensors(darts: nn.Module, source: str, mismatched_keys=()) -> None:
+    """A clear error naming the tensor and ``source`` when a loaded darts tensor is not what the config
+    describes: another shape (transformers' ``mismatched_keys``: (name, checkpoint shape, model shape))
+    or values that are NaN or infinite (which would make every corrected logit NaN). Tensors still on
+    ``meta`` (offloaded) are read through accelerate's offload map when it has one."""
+    for key, *shapes in mismatched_keys:
+        if key.startswith("darts."):
+            found, expected = (tuple(shape) for shape in shapes) if len(shapes) == 2 else ("?", "?")
+            raise ValueError(f"{key} in {source}: shape {found} in the file, but config.darts describes {expected}; "
+                             "the tensors and config.json come from different exports: export the surgery again")
+    for name, tensor in darts.state_dict(keep_vars=True).items():
+        if tensor.device.type == "meta":
+            tensor = _offloaded(darts, name)
+            if tensor is None:
+                continue
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"darts.{name} in {source}: {bad} of {tensor.numel()} values are NaN or infinite, so "
+                             "every corrected logit would be NaN; the file is damaged: export the surgery again")
+
+
+def _offloaded(root: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """The value of an accelerate-offloaded tensor ``name`` of ``root`` (None if it cannot be found)."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        module = root.get_submodule(".".join(parts[:cut])) if cut else root
+        weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+        if weights is not None:
+            try:
+                return weights[".".join(parts[cut:])]
+            except KeyError:
+                return None
+    return None
 
 
 def count_parameters(module: nn.Module) -> int:
