@@ -93,6 +93,20 @@ def test_mixed_batch_forward_gives_each_row_its_routed_domain(auto):
     assert model.darts_domain == "auto"
 
 
+def test_right_padding_routes_like_left_padding(auto):
+    """The router averages only the real tokens: a right-padded batch (pad = eos, a non-zero embedding)
+    routes each row as the left-padded one and as the prompt alone."""
+    model, tokenizer = auto["model"], tokenizer_for(auto["path"])
+    tokenizer.padding_side = "right"
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    assert (batch.attention_mask[:, -1] == 0).any()
+    assert model.route_domains(batch.input_ids, batch.attention_mask) == auto["picks"]
+    with torch.no_grad():
+        routed = model(**batch, darts_domain="auto").logits
+        named = model(**batch, darts_domain=auto["picks"]).logits
+    torch.testing.assert_close(routed, named, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_generate_auto_equals_each_prompt_alone_with_its_domain(auto, use_cache):
     """Left-padded batch, with and without KV cache: each row equals its prompt generated alone

@@ -263,6 +263,38 @@ def test_depth_from_several_threads(depth_output):
     assert not errors and not mismatches, (errors, mismatches)
 
 
+def test_depth_replica_applies_its_own_adapters(depth_output, monkeypatch):
+    """torch.nn.parallel.replicate (nn.DataParallel) copies the adapted layers (their class included) and
+    the adapters: a replica whose math adapters and correction are zeroed runs math rows as the plain
+    merge and leaves the code rows and the original model alone (device broadcast replaced by a CPU
+    copy, as in test_loading_modes)."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+
+    replicate_module = importlib.import_module("torch.nn.parallel.replicate")
+    monkeypatch.setattr(replicate_module, "_get_device_index", lambda device, optional=False: 0)
+    monkeypatch.setattr(replicate_module, "_broadcast_coalesced_reshape",
+                        lambda tensors, devices, detach=False: [[t.detach().clone() for t in tensors] for _ in devices])
+    out, _ = depth_output
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4))
+    rows = ["math", "code"]
+    with torch.no_grad():
+        expected, plain = model(ids, darts_domain=rows).logits, model(ids, darts_domain="none").logits
+        replica = replicate_module.replicate(model, ["cpu"], detach=True)[0]
+        torch.testing.assert_close(replica(ids, darts_domain=rows).logits, expected, rtol=0, atol=1e-6)
+        math = replica.darts["math"]  # replicas hold plain tensors: assignment replaces them
+        for _, _, adapter in math.block_adapters():
+            adapter.up.weight = torch.zeros_like(adapter.up.weight)
+        math.up.weight, math.position_bias = torch.zeros_like(math.up.weight), torch.zeros_like(math.position_bias)
+        got = replica(ids, darts_domain=rows).logits
+        torch.testing.assert_close(got[0], plain[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-6)
+        assert torch.equal(model(ids, darts_domain=rows).logits, expected)
+        assert (expected[0] - plain[0]).abs().max() > 1e-3
+
+
 def test_depth_with_disk_offload(depth_output, tmp_path):
     """accelerate sends the adapters (and the blocks they act on) to disk: their weights sit on meta
     until the module hooks load them; the logits equal the in-memory model's."""

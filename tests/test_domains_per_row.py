@@ -49,6 +49,22 @@ def test_mixed_batch_forward_gives_each_row_its_domain(tiny):
     assert model.darts_domain == "math"
 
 
+def test_right_padded_mixed_batch_equals_each_prompt_alone(tiny):
+    """Right padding (what training batches use): each row's real tokens get the logits of that prompt
+    alone, unpadded, with its domain; positions come from the mask, so padding does not shift them."""
+    model = tiny["model"]
+    tokenizer = tokenizer_for(tiny["path"])
+    tokenizer.padding_side = "right"
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    assert (batch.attention_mask[:, -1] == 0).any() and (batch.input_ids[batch.attention_mask == 0] == PAD).all()
+    with torch.no_grad():
+        mixed = model(**batch, darts_domain=MIXED).logits
+        for row, (prompt, domain) in enumerate(zip(PROMPTS, MIXED)):
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            alone = model(ids, darts_domain=domain).logits[0]
+            torch.testing.assert_close(mixed[row, :ids.shape[1]], alone, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_generate_mixed_domains_equals_each_prompt_alone(tiny, use_cache):
     """Left-padded mixed batch, with and without KV cache: each row equals that prompt generated alone

@@ -107,3 +107,71 @@ def test_directory_written_by_version_0_1_0_still_loads(tmp_path):
     modules = {"math": DomainSurgery(32, rank=4, max_positions=8)}
     export_module.export_surgery(str(out), modules, {"math": "experts/math"}, "math", loss="ewl1")
     assert layout.read_darts_entry(str(out))["format_version"] == surgery.FORMAT_VERSION
+
+
+# ------------------------------------------------------------------------- clear errors when loading
+
+@pytest.fixture(scope="module")
+def small_darts(tmp_path_factory):
+    from loading_helpers import make_tiny_darts_dir
+
+    path = tmp_path_factory.mktemp("errors") / "darts"
+    make_tiny_darts_dir(str(path), head_rank=0)
+    return path
+
+
+def broken_copy(source, target, tensors=None, config=None):
+    """A copy of ``source`` with some darts tensors replaced and/or config.json's darts entry edited."""
+    import json
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, target)
+    if tensors:
+        shard = target / layout.DARTS_SHARD
+        save_file({**load_file(shard), **tensors}, shard, metadata={"format": "pt"})
+    if config:
+        with open(target / "config.json") as handle:
+            data = json.load(handle)
+        config(data)
+        with open(target / "config.json", "w") as handle:
+            json.dump(data, handle)
+    return str(target)
+
+
+def load_remote(path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs)
+
+
+def test_damaged_darts_tensors_are_refused_naming_tensor_and_file(small_darts, tmp_path):
+    up = load_file(small_darts / layout.DARTS_SHARD)["darts.math.up.weight"]
+    for value in (float("nan"), float("inf")):
+        damaged = up.clone()
+        damaged[1, 0] = value
+        path = broken_copy(small_darts, tmp_path / f"bad_{value}", tensors={"darts.math.up.weight": damaged})
+        with pytest.raises(ValueError, match=r"darts\.math\.up\.weight in .*darts\.safetensors: 1 of \d+ values are "
+                                             r"NaN or infinite"):
+            load_remote(path)
+    path = broken_copy(small_darts, tmp_path / "shape", tensors={"darts.code.position_bias": torch.zeros(3, 64)})
+    with pytest.raises(ValueError, match=r"darts\.code\.position_bias in .*darts\.safetensors: shape \(3, 64\) in "
+                                         r"the file, but config\.darts describes \(6, 64\)"):
+        load_remote(path)
+
+
+def test_config_problems_are_clear_value_errors(small_darts, tmp_path):
+    cases = {
+        "string_version": (lambda c: c["darts"].update(format_version="3"),
+                           r"config\.darts\.format_version: must be an integer, got '3' \(str\)"),
+        "no_darts_entry": (lambda c: c.pop("darts"), r"config\.darts: config\.json has no darts entry"),
+        "no_domains": (lambda c: c["darts"].pop("domains"), r"config\.darts\.domains: missing"),
+        "empty_domain_name": (lambda c: c.update(darts_domain=""), r"darts_domain: unknown domain ''"),
+    }
+    for name, (edit, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            load_remote(broken_copy(small_darts, tmp_path / name, config=edit))
+    with pytest.raises(ValueError, match=r"darts_domain: unknown domain ''"):
+        load_remote(str(small_darts), darts_domain="")
+    with pytest.raises(ValueError, match="format_version 99.*upgrade"):
+        load_remote(broken_copy(small_darts, tmp_path / "future", config=lambda c: c["darts"].update(format_version=99)))

@@ -303,7 +303,7 @@ def adapted_layer_class(base: type) -> type:
             finally:
                 set_active_call(previous)
 
-        adapted = type(base.__name__, (base,), {"forward": forward, "__module__": __name__,
+        adapted = type(base.__name__, (base,), {"forward": forward, "_darts_adapted": True, "__module__": __name__,
                                                  "__qualname__": f"_DartsAdapted{base.__qualname__}"})
         _ADAPTED_LAYER_CLASSES[base] = adapted
         return adapted
@@ -313,30 +313,35 @@ _ATTACH_LOCK = threading.Lock()
 _HOOKED_ATTR = "_darts_hooked"
 
 
-def _hook_once(module: nn.Module, kind: str, hook, **register) -> None:
-    if kind not in getattr(module, _HOOKED_ATTR, ()):
-        (module.register_forward_pre_hook if kind == "head_pre" else module.register_forward_hook)(hook, **register)
-        setattr(module, _HOOKED_ATTR, getattr(module, _HOOKED_ATTR, frozenset()) | {kind})
+def _attachments(model: nn.Module):
+    """(module, kind, install) of every attachment ``model`` needs."""
+    head = model.get_output_embeddings()
+    yield model.model.norm, "norm", lambda module: module.register_forward_hook(_norm_route_hook)
+    yield head, "head_pre", lambda module: module.register_forward_pre_hook(_head_pre_hook)
+    yield head, "head", lambda module: module.register_forward_hook(_head_hook)
+    layers = model.model.layers
+    for layer_index, path in model.darts.adapted_linears:
+        yield (layers[layer_index].get_submodule(path), "block",
+               lambda module, i=layer_index, p=path: module.register_forward_hook(partial(_block_hook, layer_index=i,
+                                                                                          path=p)))
 
 
 def attach(model: nn.Module) -> None:
-    """Install every attachment of ``model`` (a Darts*ForCausalLM) that is not there yet. Idempotent;
-    called when the model is built, after loading (a quantizer may have swapped the linears), when the
-    LM head is replaced and before an eager forward."""
+    """Install every attachment of ``model`` (a Darts*ForCausalLM) that is not there yet. Idempotent and
+    cheap when nothing is missing; called when the model is built, after loading (a quantizer may have
+    swapped the linears), when the LM head is replaced and before every eager forward."""
+    missing = [item for item in _attachments(model) if item[1] not in getattr(item[0], _HOOKED_ATTR, ())]
+    first = model.darts.first_adapted_layer
+    layers = model.model.layers
+    plain_layers = [] if first is None else [layer for layer in list(layers)[first:]
+                                             if not getattr(type(layer), "_darts_adapted", False)]
+    if not missing and not plain_layers:
+        return
     with _ATTACH_LOCK:
-        _hook_once(model.model.norm, "norm", _norm_route_hook)
-        head = model.get_output_embeddings()
-        _hook_once(head, "head_pre", _head_pre_hook)
-        _hook_once(head, "head", _head_hook)
-        first = model.darts.first_adapted_layer
-        if first is None:
-            return
-        layers = model.model.layers
-        for index in range(first, len(layers)):
-            layer = layers[index]
-            if not type(layer).__qualname__.startswith("_DartsAdapted"):
+        for module, kind, install in missing:
+            if kind not in getattr(module, _HOOKED_ATTR, ()):
+                install(module)
+                setattr(module, _HOOKED_ATTR, getattr(module, _HOOKED_ATTR, frozenset()) | {kind})
+        for layer in plain_layers:
+            if not getattr(type(layer), "_darts_adapted", False):
                 layer.__class__ = adapted_layer_class(type(layer))
-        surgery = next(iter(model.darts.values()))
-        for layer_index, path, _ in surgery.block_adapters():
-            linear = layers[layer_index].get_submodule(path)
-            _hook_once(linear, "block", partial(_block_hook, layer_index=layer_index, path=path))

@@ -15,6 +15,7 @@ that the attachments in hooks.py read.
 from typing import Sequence
 
 import torch
+from torch import nn
 from transformers import initialization as init
 from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
                           Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
@@ -90,7 +91,9 @@ class DartsMixin:
         self.darts = DomainModules({name: DomainSurgery.from_shape(shape, self.config.hidden_size,
                                                                    self.config.vocab_size, targets)
                                     for name in domains}, router,
-                                   first_adapted_layer=len(self.model.layers) - depth if depth else None)
+                                   first_adapted_layer=len(self.model.layers) - depth if depth else None,
+                                   adapted_linears=[(index, path) for index, paths in (targets or {}).items()
+                                                    for path in paths])
         attach(self)
         default = getattr(self.config, "darts_domain", None)
         self.set_darts_domain(NONE_DOMAIN if default is None else default)
@@ -100,9 +103,17 @@ class DartsMixin:
         # transformers reports missing keys only as a generic list; a Darts directory without its
         # darts.* tensors silently becomes the plain merged model, so say so in its own words.
         wants_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        check_darts_tensors(model.darts, f"{source}/darts.safetensors", info.get("mismatched_keys") or ())
+        source = f"{args[0] if args else kwargs.get('pretrained_model_name_or_path')}/darts.safetensors"
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except RuntimeError as error:  # transformers' own report of shapes is only logged: name the darts tensor
+            if "ignore_mismatched_sizes" not in str(error) or kwargs.get("ignore_mismatched_sizes"):
+                raise
+            _, info = super().from_pretrained(*args, output_loading_info=True,
+                                              **{**kwargs, "ignore_mismatched_sizes": True})
+            check_darts_tensors(nn.Module(), source, info.get("mismatched_keys") or ())
+            raise
+        check_darts_tensors(model.darts, source, info.get("mismatched_keys") or ())
         model._warn_missing_darts(info.get("missing_keys") or ())
         attach(model)  # a quantizer may have swapped the adapted linears while loading
         return (model, info) if wants_info else model
@@ -220,16 +231,18 @@ class DartsMixin:
             torch._assert_async(valid.all(), message)
         return rows.to(device=device, dtype=torch.long, copy=True)  # never written into: the caller's stays
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, logits_to_keep=0, darts_domain=None,
-                darts_rows=None, darts_route=None, darts_route_state=None, darts_prompt_mask=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                logits_to_keep=0, darts_domain=None, darts_rows=None, darts_route=None, darts_route_state=None,
+                darts_prompt_mask=None, **kwargs):
         """``darts_domain``: see ``_call_plan``. ``darts_prompt_mask`` [B, T]: the current tokens that
         are real prompt tokens, for "auto" rows with a 4-D ``attention_mask``. ``darts_rows``,
         ``darts_route`` and ``darts_route_state`` are what ``generate`` hands every step (validated
         per-row indices; "prefill"/"decode"; the routing sums carried between steps)."""
-        # Explicit position_ids / logits_to_keep: generate() inspects the signature for both.
+        # The parent's parameters by name: generate() inspects the signature for position_ids and
+        # logits_to_keep, the Trainer for labels (a column it would otherwise drop from the batches).
         call_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           logits_to_keep=logits_to_keep, **kwargs)
-        embeds = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+                           inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        embeds = input_ids if input_ids is not None else inputs_embeds
         if embeds is None:  # let the parent raise its own error
             return super().forward(**call_kwargs)
         batch, length = embeds.shape[:2]
@@ -327,7 +340,7 @@ class DartsMixin:
             inputs["darts_route"] = "prefill" if prefill else "decode"
             mask = kwargs.get("attention_mask")  # the 2-D mask, before it becomes a 4-D one for static caches
             if prefill and mask is not None and mask.dim() == 2:
-                current = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+                current = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
                 inputs["darts_prompt_mask"] = mask[:, -current.shape[1]:]
         return inputs
 

@@ -174,11 +174,14 @@ class DomainModules(nn.ModuleDict):
     ``"router"``, the ``DomainRouter`` (its tensors load, save and offload as ``darts.router.*``, float32
     like the domains). Iteration, ``len``, ``in`` and keys/values/items see the domains only; ``.router``
     is the router or None. Module traversal (state_dict, ``.to``, accelerate) sees both.
-    ``first_adapted_layer``: the index of the first decoder layer with block adapters (``depth``), or None."""
+    ``first_adapted_layer``: the index of the first decoder layer with block adapters (``depth``), or None;
+    ``adapted_linears``: (layer index, path in the layer) of every linear that carries an adapter."""
 
-    def __init__(self, domains, router: Optional[DomainRouter] = None, first_adapted_layer: Optional[int] = None):
+    def __init__(self, domains, router: Optional[DomainRouter] = None, first_adapted_layer: Optional[int] = None,
+                 adapted_linears=()):
         super().__init__(domains)
         self.first_adapted_layer = first_adapted_layer
+        self.adapted_linears = tuple(adapted_linears)
         if router is not None:  # not add_module: it refuses a name that is an attribute (the property)
             self._modules[ROUTER_KEY] = router
 
