@@ -214,3 +214,33 @@ def test_manual_loop_over_a_static_cache_routes_each_new_sequence(darts):
         picks = [PICKS[PROMPTS.index(prompt)] for prompt in prompts]
         expected = generate(model, batch, picks)[:, ids.shape[1]:ids.shape[1] + 4]
         assert torch.equal(torch.stack(tokens, dim=1), expected), prompts
+
+
+def test_generate_from_inputs_embeds_matches_input_ids(darts):
+    model, batch = darts["model"], darts["batch"]
+    embeds = model.get_input_embeddings()(batch.input_ids).detach()
+    for label, domain in DOMAINS.items():
+        from_ids = generate(model, batch, domain)[:, batch.input_ids.shape[1]:]
+        from_embeds = model.generate(inputs_embeds=embeds, attention_mask=batch.attention_mask, darts_domain=domain,
+                                     max_new_tokens=5, do_sample=False, pad_token_id=PAD)
+        assert torch.equal(from_embeds, from_ids), label
+
+
+@torch.no_grad()
+def test_auto_with_a_custom_4d_mask_reads_darts_prompt_mask(darts):
+    """A caller's own 4-D mask says nothing the router can use about which tokens are padding: "auto"
+    then needs ``darts_prompt_mask`` (a clear error without it), and with it routes like the 2-D mask."""
+    model, batch = darts["model"], darts["batch"]
+    mask = batch.attention_mask.bool()
+    length = mask.shape[1]
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    # real keys, causal; a padded query sees itself only (so no row is empty)
+    custom = causal & (mask[:, None, None, :] | torch.eye(length, dtype=torch.bool))
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
+    inputs = dict(input_ids=batch.input_ids, position_ids=positions, use_cache=False)
+    with pytest.raises(ValueError, match=r"darts_domain='auto'.*attention_mask has shape \(4, 1, \d+, \d+\).*"
+                                         r"darts_prompt_mask"):
+        model(**inputs, attention_mask=custom, darts_domain="auto")
+    got = model(**inputs, attention_mask=custom, darts_domain="auto", darts_prompt_mask=batch.attention_mask).logits
+    expected = model(**inputs, attention_mask=batch.attention_mask, darts_domain=PICKS).logits
+    torch.testing.assert_close(got[mask], expected[mask], rtol=0, atol=1e-5)

@@ -65,6 +65,7 @@ class PendingRoute:
     pool: bool = True  # add this call's states (a prefill call); False: route from ``state`` alone
     accumulate: bool = False  # add them into ``state`` in place (generate's prefill, chunk by chunk)
     fresh: Optional[torch.Tensor] = None  # bool []: the cache was empty, so ``state`` is stale (static caches)
+    routed: Optional[torch.Tensor] = None  # [B] long, written in place with the routed rows (generate's decoding)
     sums: Optional[torch.Tensor] = None  # the sums routed on, once routed
     done: bool = False
 
@@ -123,6 +124,8 @@ def _resolve(call: DartsCall, route: PendingRoute, hidden: Optional[torch.Tensor
         domain = torch.where(picked == router_index, domain_index, domain)
     rows = call.rows
     call.rows = torch.where(rows == AUTO_INDEX, domain.to(rows.device), rows)
+    if route.routed is not None:
+        route.routed.copy_(call.rows.to(route.routed.device))
     route.sums = sums
     route.done = True
 

@@ -233,11 +233,12 @@ class DartsMixin:
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 logits_to_keep=0, darts_domain=None, darts_rows=None, darts_route=None, darts_route_state=None,
-                darts_prompt_mask=None, **kwargs):
+                darts_routed_rows=None, darts_prompt_mask=None, **kwargs):
         """``darts_domain``: see ``_call_plan``. ``darts_prompt_mask`` [B, T]: the current tokens that
-        are real prompt tokens, for "auto" rows with a 4-D ``attention_mask``. ``darts_rows``,
-        ``darts_route`` and ``darts_route_state`` are what ``generate`` hands every step (validated
-        per-row indices; "prefill"/"decode"; the routing sums carried between steps)."""
+        are real prompt tokens, for "auto" rows with a 4-D ``attention_mask``. ``darts_rows`` (validated
+        per-row indices) is what ``generate`` hands every step; with "auto" rows its prefill calls also
+        get ``darts_route="prefill"``, the routing sums ``darts_route_state`` they add to and
+        ``darts_routed_rows``, written with the routed rows that the later steps get as ``darts_rows``."""
         # The parent's parameters by name: generate() inspects the signature for position_ids and
         # logits_to_keep, the Trainer for labels (a column it would otherwise drop from the batches).
         call_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -246,7 +247,7 @@ class DartsMixin:
         if embeds is None:  # let the parent raise its own error
             return super().forward(**call_kwargs)
         batch, length = embeds.shape[:2]
-        plan = ((None, darts_rows, darts_route_state is not None) if darts_rows is not None
+        plan = ((None, darts_rows, darts_route == "prefill") if darts_rows is not None
                 else self._call_plan(darts_domain, batch, embeds.device))
         if plan is None:
             return super().forward(**call_kwargs)
@@ -259,8 +260,8 @@ class DartsMixin:
             position_ids = default_position_ids(length, attention_mask, cache, embeds.device)
         route = None
         if may_route:
-            route = self._pending_route(attention_mask, darts_prompt_mask, darts_route, darts_route_state, cache,
-                                        batch, length)
+            route = self._pending_route(attention_mask, darts_prompt_mask, darts_route, darts_route_state,
+                                        darts_routed_rows, cache, batch, length)
         adapted = self.darts.first_adapted_layer is not None
         call = DartsCall(self.darts, self.model.norm, self.get_output_embeddings(),
                          self.model.layers if adapted else None, (batch, length), position_ids, logits_to_keep,
@@ -280,17 +281,16 @@ class DartsMixin:
                 setattr(out_cache, _ROUTE_ATTR, route.sums)
         return outputs
 
-    def _pending_route(self, attention_mask, prompt_mask, step, state, cache, batch, length) -> PendingRoute:
+    def _pending_route(self, attention_mask, prompt_mask, step, state, routed, cache, batch,
+                       length) -> PendingRoute:
         """"auto" rows are routed on their prompt: a call routes on its own tokens unless it continues a
-        sequence whose prompt was seen already (a generate step after the prefill; a manual loop's call
-        with a non-empty cache that carries the routing sums), which takes those sums."""
+        sequence whose prompt was seen already (a manual loop's call with a non-empty cache that carries
+        the routing sums), which takes those sums; generate's prefill calls add to its carried sums."""
         router = self.darts.router
         to_domain = tuple(self.darts_domains.index(name) for name in router.domains)
-        if step == "decode":
-            return PendingRoute(router, to_domain, state=state, pool=False)
         mask = self._routing_mask(prompt_mask, attention_mask, length)
         if step == "prefill":  # generate: every prefill chunk adds its tokens to the carried sums
-            return PendingRoute(router, to_domain, mask=mask, state=state, accumulate=True)
+            return PendingRoute(router, to_domain, mask=mask, state=state, accumulate=True, routed=routed)
         carried = getattr(cache, _ROUTE_ATTR, None) if cache is not None else None
         if carried is None or carried.shape[0] != batch:
             return PendingRoute(router, to_domain, mask=mask)
@@ -317,8 +317,9 @@ class DartsMixin:
     def generate(self, *args, darts_domain=None, **kwargs):
         # A per-row index tensor (on the model's device) goes to every step as ``darts_rows``; generate
         # expands it with the batch (beams, num_return_sequences). "auto" rows add the routing sums
-        # ``darts_route_state`` [B, H + 1]: the prefill (every chunk of it) adds the prompt's states,
-        # later steps route from them, so each row keeps its prompt's domain for the whole generation.
+        # ``darts_route_state`` [B, H + 1], which the prefill (every chunk of it) adds the prompt's states
+        # to, and ``darts_routed_rows``, which it fills with the routed rows: the decoding steps get those
+        # as their rows, so each row keeps its prompt's domain and no decoding step routes or writes.
         inputs = args[0] if args else next((kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds")
                                             if kwargs.get(k) is not None), None)
         batch = inputs.shape[0] if inputs is not None else 1
@@ -331,17 +332,25 @@ class DartsMixin:
             if plan[2] and bool((plan[1] == AUTO_INDEX).any()):
                 kwargs["darts_route_state"] = torch.zeros(batch, self.config.hidden_size + 1, dtype=torch.float32,
                                                           device=device)
+                kwargs["darts_routed_rows"] = kwargs["darts_rows"].clone()
         return super().generate(*args, **kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
-        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+        # the parent's parameters by name: generate inspects this signature (inputs_embeds forwarding)
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
         if kwargs.get("darts_route_state") is not None:
-            prefill = bool(kwargs.get("is_first_iteration"))
-            inputs["darts_route"] = "prefill" if prefill else "decode"
-            mask = kwargs.get("attention_mask")  # the 2-D mask, before it becomes a 4-D one for static caches
-            if prefill and mask is not None and mask.dim() == 2:
-                current = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
-                inputs["darts_prompt_mask"] = mask[:, -current.shape[1]:]
+            if is_first_iteration:
+                inputs["darts_route"] = "prefill"
+                # the 2-D mask, before the parent made a 4-D one of it for a static cache
+                if attention_mask is not None and attention_mask.dim() == 2:
+                    current = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+                    inputs["darts_prompt_mask"] = attention_mask[:, -current.shape[1]:]
+            else:  # decoding: the rows the prefill routed, nothing to route or write
+                inputs["darts_rows"] = inputs.pop("darts_routed_rows")
+                inputs.pop("darts_route_state")
         return inputs
 
     @torch.no_grad()

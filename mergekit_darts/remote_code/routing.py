@@ -29,7 +29,9 @@ def prompt_state_sums(hidden_states: torch.Tensor, attention_mask: Optional[torc
             raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} does not match "
                              f"hidden_states {tuple(h.shape[:2])}")
         mask = attention_mask.to(device=h.device, dtype=torch.float32)
-    return torch.cat([(h * mask.unsqueeze(-1)).sum(dim=1), mask.sum(dim=1, keepdim=True)], dim=-1)
+    weighted = h * mask.unsqueeze(-1)  # where(): a NaN state at a padded position (fully masked query) stays out
+    weighted = torch.where(mask.unsqueeze(-1) != 0, weighted, torch.zeros((), dtype=weighted.dtype, device=h.device))
+    return torch.cat([weighted.sum(dim=1), mask.sum(dim=1, keepdim=True)], dim=-1)
 
 
 def pooled_from_sums(sums: torch.Tensor) -> torch.Tensor:
