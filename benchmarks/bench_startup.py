@@ -10,7 +10,8 @@ reads ``-X importtime``'s cumulative microseconds of ``mergekit_darts._startup``
 package ``__init__``). Writes ``benchmarks/results/bench_startup.json``.
 
 ``--cli`` measures the command line instead (issue 26): the wall time of ``mergekit-darts CMD
---help`` for every command, and of ``info`` / ``report`` on a freshly repaired offline example,
+--help`` for every command, and of ``info`` / ``report`` on a freshly repaired offline example
+(``report`` once with the figure up to date, once forced to re-draw it with ``--plot``),
 run through this environment's installed ``mergekit-darts`` script (the start-up hook included),
 interleaved with the same commands of the package as it was at ``--cli-before`` (on PYTHONPATH,
 which wins over the editable install). Targets: every ``--help`` < 0.5 s, ``info``/``report``
@@ -80,19 +81,13 @@ def _importtime_us(stderr: str, module: str):
 
 
 def _repaired_example(root: str, env: dict) -> str:
-    """The README's offline example (examples/tiny_offline.yml) merged and repaired under ``root``."""
-    family = os.path.join(root, "tiny_family")
-    subprocess.run([sys.executable, "-c", f"from mergekit_darts.tiny import make_family; "
-                    f"make_family({family!r}, domains=['math', 'code'])"], env=env, check=True, capture_output=True)
-    with open(os.path.join(REPO, "examples", "tiny_offline.yml")) as handle:
-        config = handle.read().replace("./tiny_family", family).replace("examples/data", os.path.join(REPO, "examples", "data"))
-    path = os.path.join(root, "tiny_offline.yml")
-    with open(path, "w") as handle:
-        handle.write(config)
-    out = os.path.join(root, "tiny_out")
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), path, out], env=env, check=True,
+    """The README's offline example (`mergekit-darts example`, then mergekit-yaml) repaired under ``root``."""
+    bin_dir = os.path.dirname(sys.executable)
+    subprocess.run([os.path.join(bin_dir, "mergekit-darts"), "example"], env=env, check=True, capture_output=True,
+                   cwd=root)
+    subprocess.run([os.path.join(bin_dir, "mergekit-yaml"), "tiny_offline.yml", "tiny_out"], env=env, check=True,
                    capture_output=True, cwd=root)
-    return out
+    return os.path.join(root, "tiny_out")
 
 
 def cli_main(args) -> None:
@@ -107,23 +102,28 @@ def cli_main(args) -> None:
         out = _repaired_example(root, env)
         cases = {f"{name} --help": [name, "--help"] for name in COMMANDS}
         cases.update({"info OUT": ["info", out], "report OUT": ["report", out],
-                      "report OUT --no-plot": ["report", out, "--no-plot"]})
+                      "report OUT --plot": ["report", out, "--plot"]})
         variants = {"now": env}
+        argvs = {"now": cases}
         if args.cli_before:
             variants["before"] = {**env, "PYTHONPATH": _old_checkout(root, args.cli_before)}
+            # the old package: commands it had; its report always re-drew the figure (no --plot)
+            old = {case: (["report", out] if case == "report OUT --plot" else argv) for case, argv in cases.items()
+                   if case != "report OUT" and argv[0] in _old_commands(variants["before"]["PYTHONPATH"])}
+            argvs["before"] = old
         for variant, env_variant in variants.items():  # warm the page cache and __pycache__
-            for case, argv in cases.items():
-                if variant == "now" or case in ("run --help", "info OUT", "report OUT"):
+            for case, argv in argvs[variant].items():
+                if variant == "now" or case in ("run --help", "info OUT", "report OUT --plot"):
                     _child_run(script, env_variant, argv)
-        times = {variant: {case: [] for case in cases} for variant in variants}
+        times = {variant: {case: [] for case in argvs[variant]} for variant in variants}
         for round_index in range(args.runs):
-            for case, argv in cases.items():
+            for case in cases:
                 for variant in (list(variants) if round_index % 2 == 0 else list(variants)[::-1]):
-                    if variant == "before" and round_index >= args.before_runs:
+                    if case not in argvs[variant] or (variant == "before" and round_index >= args.before_runs):
                         continue
-                    times[variant][case].append(_child_run(script, variants[variant], argv)[0])
+                    times[variant][case].append(_child_run(script, variants[variant], argvs[variant][case])[0])
         summary = {variant: {case: median(values) for case, values in cases_.items()} for variant, cases_ in times.items()}
-        rows = [[case, summary["now"][case], summary.get("before", {}).get(case, float("nan")),
+        rows = [[case, summary["now"][case], summary.get("before", {}).get(case, float("nan")) or float("nan"),
                  0.5 if case.endswith("--help") else 1.5] for case in cases]
         print_table(f"wall seconds, medians ({args.runs} runs now, {args.before_runs} before = {args.cli_before})",
                     ["command", "now s", "before s", "target s"], rows)
@@ -137,6 +137,13 @@ def cli_main(args) -> None:
         })
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _old_commands(src: str) -> set:
+    code = "from mergekit_darts.cli import COMMANDS; print(' '.join(COMMANDS))"
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": src,
+                            "MERGEKIT_DARTS_DISABLE": "1"}, capture_output=True, text=True, check=True, cwd=src)
+    return set(result.stdout.split())
 
 
 def _old_checkout(root: str, commit: str) -> str:

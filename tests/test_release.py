@@ -90,7 +90,7 @@ def test_sdist_holds_the_sources_and_nothing_generated(tmp_path):
 
 def test_the_installed_wheel_runs_help_and_the_offline_example(venv, wheel, tmp_path):
     """From a directory that is not the checkout: --help, then the README's offline example
-    (`mergekit-darts example`, `mergekit-yaml tiny_offline.yml tiny_out`, `info`) with the wheel's code."""
+    (`mergekit-darts example`, `mergekit-yaml tiny_offline.yml out`, `info`) with the wheel's code."""
     python, cli = str(venv / "python"), str(venv / "mergekit-darts")
 
     def run(args, **kwargs):
@@ -105,11 +105,11 @@ def test_the_installed_wheel_runs_help_and_the_offline_example(venv, wheel, tmp_
     run([cli, "example"])
     # mergekit-yaml as its console script runs it (mergekit is one of the appended dependencies)
     merge = run([python, "-c", "import sys; from mergekit.scripts.run_yaml import main; "
-                 "sys.argv = ['mergekit-yaml', 'tiny_offline.yml', 'tiny_out']; main()"])
+                 "sys.argv = ['mergekit-yaml', 'tiny_offline.yml', 'out']; main()"])
     assert "torch_dtype" not in merge.stderr
-    config = json.loads((tmp_path / "tiny_out" / "config.json").read_text())
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["DartsLlamaForCausalLM"]  # the wheel's start-up hook ran the surgery
-    info = run([cli, "info", "tiny_out"]).stdout
+    info = run([cli, "info", "out"]).stdout
     assert "domain math:" in info and "domain code:" in info
     # an extra's install hint names this installation: the wheel file it came from
     hint = run([python, "-c", "from mergekit_darts.extras import install_command; print(install_command('eval'))"])

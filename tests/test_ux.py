@@ -12,14 +12,14 @@ from click.testing import CliRunner
 from mergekit_darts.evaluation.harness import EvaluationError, evaluate, generation_length
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = [os.path.join(REPO, "README.md")]
-# The offline example's evaluation commands exactly as the README prints them: they must run as
-# printed from the repository root on the tiny example's output.
+DOCS = [os.path.join(REPO, "README.md"), os.path.join(REPO, "docs", "evaluation.md")]
+# The offline example's evaluation commands exactly as docs/evaluation.md prints them: they must run
+# as printed from the repository root on the offline example's output `out`.
 DOCUMENTED_EVAL = [
-    "mergekit-darts eval tiny_out --domain math --trust-remote-code --tasks gsm8k_darts "
+    "mergekit-darts eval out --domain math --trust-remote-code --tasks gsm8k_darts "
     "--data examples/data/gsm8k_example.jsonl --compare-none --limit 2",
-    "mergekit-darts eval tiny_out --domain code --trust-remote-code --tasks humaneval_darts --allow-code-execution --limit 2",
-    "mergekit-darts eval tiny_out --domain math --trust-remote-code --tasks alpaca_darts "
+    "mergekit-darts eval out --domain code --trust-remote-code --tasks humaneval_darts --allow-code-execution --limit 2",
+    "mergekit-darts eval out --domain math --trust-remote-code --tasks alpaca_darts "
     "--data examples/data/alpaca_example.jsonl --output-dir gen --limit 2",
 ]
 
@@ -81,7 +81,7 @@ def test_documented_eval_commands_run_as_printed(darts_dir, tmp_path, monkeypatc
     for command in DOCUMENTED_EVAL:
         assert command in documented.replace("\\\n", ""), f"not documented as tested: {command}"
         args = shlex.split(command)[1:]
-        args = [darts_dir if a == "tiny_out" else str(tmp_path / "gen") if a == "gen" else a for a in args]
+        args = [darts_dir if a == "out" else str(tmp_path / "gen") if a == "gen" else a for a in args]
         result = _cli(args + ["--device", "cpu"])
         assert result.exit_code == 0, result.output
         assert "generating at most 128 new tokens" in result.output  # context 256: clipped, said once
@@ -135,7 +135,7 @@ def test_example_command_writes_the_offline_example_and_keeps_what_is_there(tmp_
     monkeypatch.chdir(tmp_path)
     first = _cli(["example"])
     assert first.exit_code == 0, first.output
-    assert first.output.splitlines()[-1] == "next: mergekit-yaml tiny_offline.yml tiny_out"
+    assert first.output.splitlines()[-1] == "next: mergekit-yaml tiny_offline.yml out"
     assert "Writing model shards" not in first.output and "Loading weights" not in first.output
     for part in ("base", "math", "code"):
         assert (tmp_path / "tiny_family" / part / "model.safetensors").is_file()
@@ -151,7 +151,7 @@ def test_example_command_writes_the_offline_example_and_keeps_what_is_there(tmp_
     assert refused.exit_code == 1 and "--force" in refused.output
     assert "steps: 7" in (tmp_path / "tiny_offline.yml").read_text()
     elsewhere = _cli(["example", "--dir", "sub"])
-    assert elsewhere.exit_code == 0 and "next: mergekit-yaml sub/tiny_offline.yml sub/tiny_out" in elsewhere.output
+    assert elsewhere.exit_code == 0 and "next: mergekit-yaml sub/tiny_offline.yml sub/out" in elsewhere.output
     assert "base_model: sub/tiny_family/base" in (tmp_path / "sub" / "tiny_offline.yml").read_text()
 
 
@@ -359,9 +359,9 @@ def test_our_own_calls_trigger_no_deprecation_warnings(tiny_family, tmp_path, ca
 def test_files_the_documented_commands_write_are_git_ignored():
     import subprocess
 
-    written = ["tiny_family/base/config.json", "tiny_offline.yml", "tiny_out/config.json", "gen/results.json",
+    written = ["tiny_family/base/config.json", "tiny_offline.yml", "out/config.json", "gen/results.json",
                "baked-math/config.json", "adapters/math/adapter_config.json", "sweep_tiny/results.jsonl",
-               "tiny_out.plain-merge-20261201-120000/config.json", "darts_compare.json", "darts_demo/results.md"]
+               "out.plain-merge-20261201-120000/config.json", "darts_compare.json", "darts_demo/results.md"]
     result = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True, text=True)
     assert sorted(result.stdout.split()) == sorted(written)
 

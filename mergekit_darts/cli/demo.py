@@ -70,7 +70,7 @@ def demo_command(workdir: str, seed: int, quick: bool):
 def example_command(dest: str, force: bool):
     """Write the offline example into --dir: tiny_family/ (a random tiny Llama base, math and code
     experts, math calibration prompts; nothing is downloaded) and tiny_offline.yml, a mergekit YAML
-    with a surgery: block. Then run: mergekit-yaml tiny_offline.yml tiny_out"""
+    with a surgery: block. Then run: mergekit-yaml tiny_offline.yml out"""
     from transformers.utils import logging as hf_logging
 
     from mergekit_darts.demo.offline import write_offline_example
@@ -86,7 +86,7 @@ def example_command(dest: str, force: bool):
             hf_logging.enable_progress_bar()
     family = "kept the existing" if written["reused_family"] else "wrote"
     click.echo(f"{family} {written['family']}/ (random tiny base + math/code experts) and wrote {written['config']}")
-    out = os.path.join(dest, "tiny_out") if os.path.normpath(dest) != "." else "tiny_out"
+    out = os.path.join(dest, "out") if os.path.normpath(dest) != "." else "out"
     click.echo(f"next: mergekit-yaml {written['config'] if dest != '.' else 'tiny_offline.yml'} {out}")
 
 

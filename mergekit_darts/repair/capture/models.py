@@ -18,21 +18,28 @@ _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.jinja", 
 
 
 @contextlib.contextmanager
-def quiet_transformers_loading():
+def quiet_transformers_loading(progress_bars: bool = True):
     """transformers at ERROR level around one of our own loads.
 
     Our loads of a repaired directory without its remote code (the capture wants the plain merge)
     make transformers print a LOAD REPORT listing every ``darts.*`` tensor as UNEXPECTED: expected
-    and harmless here, but alarming to read. Real errors still raise.
+    and harmless here, but alarming to read. Real errors still raise. ``progress_bars=False`` also
+    hides transformers' "Loading weights" bar (for local directories: the capture shows its own
+    bars; a download from the Hub keeps its progress).
     """
     from transformers.utils import logging as hf_logging
 
     previous = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    if not progress_bars:
+        hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(previous)
+        if bars and not progress_bars:
+            hf_logging.enable_progress_bar()
 
 
 def release_freed_memory() -> None:
@@ -136,7 +143,7 @@ class ModelSlot:
             LOG.info("capture: loading %s (%s on %s)", self.model_dir, self.dtype,
                      self.device_map if placement.sharded else self.device)
             self.placement = placement
-            with quiet_transformers_loading():
+            with quiet_transformers_loading(progress_bars=not os.path.isdir(self.model_dir)):
                 model = AutoModelForCausalLM.from_pretrained(
                     self.model_dir, dtype=self.dtype, use_safetensors=True,
                     trust_remote_code=self.trust_remote_code,
