@@ -370,7 +370,7 @@ def _format_error(error: ValidationError, prefix: str) -> str:
         loc = ".".join(str(part) for part in (prefix, *item["loc"]) if part != "")
         msg = item["msg"]
         if item["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see the README for the supported keys)"
+            msg = "unknown key (check the spelling; docs/options.md lists the supported keys)"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         elif item["type"] in ("int_type", "float_type", "int_from_float") and "input" in item:

@@ -100,5 +100,5 @@ def split_yaml(config_source: str) -> Tuple[dict, Optional[Any]]:
     if surgery is None or surgery == {}:
         raise SurgeryConfigError(
             "surgery: the block is empty, so nothing would be repaired; add its settings and domains "
-            "(see the README), or delete the 'surgery:' line for a plain merge")
+            "(docs/options.md), or delete the 'surgery:' line for a plain merge")
     return data, surgery

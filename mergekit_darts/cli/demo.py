@@ -6,7 +6,7 @@ import os
 import click
 
 # Wall seconds of `mergekit-darts demo` on this project's 2-core CPU machine, (first run, rerun with
-# the family reused), as measured (full: README "Demo", 2026-12-01). --quick was timed only on a machine
+# the family reused), as measured (full: docs/results.md "The demo", 2026-12-01). --quick was timed only on a machine
 # loaded 9x over its cores (458 s, 580 s): not an estimate worth printing.
 MEASURED_S = {False: (268, 144), True: None}
 
