@@ -13,9 +13,12 @@ separate, slightly perturbed ``lm_head`` (**untied**), it
    ``convert_lora_to_gguf.py --base DEST/base-model`` on each adapter (also tried once without
    ``--base``, i.e. from the adapter's ``base_model_name_or_path`` alone; the result is recorded);
 4. runs each GGUF with llama-cpp-python (the baked model; the base alone; the base with each
-   domain's LoRA) on token ids from the HF tokenizer and compares every position's logits and 16
-   greedy tokens with the remote-code model in transformers (``darts_domain`` = that domain), and
-   PEFT's ``merge_and_unload`` on the base.
+   domain's LoRA; float32 KV cache, and once llama.cpp's default float16 one for the baked model) on
+   token ids from the HF tokenizer and compares every position's logits and 16
+   greedy tokens (argmax steps that do not stop at end-of-sequence, on both sides) with the
+   remote-code model in transformers (``darts_domain`` = that domain), and PEFT's ``merge_and_unload``
+   on the base. Inside llama.cpp it also compares the base + LoRA with the baked model, and the
+   correction as llama.cpp applies it (LoRA − base) with transformers' (domain − none).
 
 Usage: python benchmarks/llama_cpp_check.py --llama-cpp-src DIR [--gguf PATH] [--workdir DIR]
 (DIR: the unpacked llama-cpp-python sdist, ``pip download --no-binary :all: --no-deps llama-cpp-python``).
@@ -93,13 +96,15 @@ def run(cmd, record, name):
     return result.returncode == 0
 
 
-def llama_outputs(gguf, prompts_ids, lora=None):
-    """(per prompt: logits [T, V] of every position, greedy continuation) from llama-cpp-python."""
+def llama_outputs(gguf, prompts_ids, lora=None, kv_f32=True):
+    """(per prompt: logits [T, V] of every position, greedy continuation) from llama-cpp-python.
+    ``kv_f32``: a float32 KV cache (llama.cpp's default is float16, which alone moves logits by ~1e-3)."""
     import numpy as np
-    from llama_cpp import Llama
+    from llama_cpp import GGML_TYPE_F32, Llama
 
+    cache = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if kv_f32 else {}
     llm = Llama(model_path=gguf, lora_path=lora, logits_all=True, n_ctx=256, n_batch=256, n_threads=2,
-                verbose=False, seed=0)
+                verbose=False, seed=0, **cache)
     results = []
     for ids in prompts_ids:
         llm.reset()
@@ -116,15 +121,26 @@ def llama_outputs(gguf, prompts_ids, lora=None):
 
 
 def transformers_outputs(model, prompts_ids):
+    """Like ``llama_outputs``: the prompt's logits, then ``NEW_TOKENS`` argmax steps that do not stop
+    at end-of-sequence (``generate`` would, llama.cpp's ``eval`` loop does not), whole sequence each step."""
     results = []
     with torch.no_grad():
         for ids in prompts_ids:
-            batch = torch.tensor([ids])
-            logits = model(input_ids=batch).logits[0].float()
-            generated = model.generate(input_ids=batch, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                       attention_mask=torch.ones_like(batch), pad_token_id=0)
-            results.append((logits, generated[0, len(ids):].tolist()))
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+            sequence, tokens = list(ids), []
+            for _ in range(NEW_TOKENS):
+                step = logits[-1] if not tokens else model(input_ids=torch.tensor([sequence])).logits[0, -1]
+                tokens.append(int(step.argmax()))
+                sequence.append(tokens[-1])
+            results.append((logits, tokens))
     return results
+
+
+def correction_gap(with_lora, base, reference, reference_none):
+    """max |(llama.cpp LoRA − llama.cpp base) − (transformers domain − transformers none)| over the prompts:
+    the correction as llama.cpp applies it, with the base's own arithmetic differences taken out."""
+    return max(((a[0] - b[0]) - (c[0] - d[0])).abs().max().item()
+               for a, b, c, d in zip(with_lora, base, reference, reference_none))
 
 
 def compare(got, want):
@@ -180,13 +196,21 @@ def check_variant(name, model_dir, root, converters, scale):
     record["correction_effect_max_abs_logit_change"] = max(
         (reference["math"][i][0] - reference["none"][i][0]).abs().max().item() for i in range(len(PROMPTS)))
 
-    record["llama_cpp"] = {
-        "baked_math_vs_remote_math": compare(llama_outputs(ggufs["baked"], prompts_ids), reference["math"]),
-        "base_vs_remote_none": compare(llama_outputs(ggufs["base"], prompts_ids), reference["none"]),
-    }
+    outputs = {"baked": llama_outputs(ggufs["baked"], prompts_ids), "base": llama_outputs(ggufs["base"], prompts_ids)}
     for domain in DOMAINS:
-        record["llama_cpp"][f"base_lora_{domain}_vs_remote_{domain}"] = compare(
-            llama_outputs(ggufs["base"], prompts_ids, lora=ggufs[domain]), reference[domain])
+        outputs[domain] = llama_outputs(ggufs["base"], prompts_ids, lora=ggufs[domain])
+    record["llama_cpp"] = {"baked_math_vs_remote_math": compare(outputs["baked"], reference["math"]),
+                           "baked_math_vs_remote_math_default_f16_kv_cache": compare(
+                               llama_outputs(ggufs["baked"], prompts_ids, kv_f32=False), reference["math"]),
+                           "base_vs_remote_none": compare(outputs["base"], reference["none"])}
+    for domain in DOMAINS:
+        record["llama_cpp"][f"base_lora_{domain}_vs_remote_{domain}"] = compare(outputs[domain], reference[domain])
+    record["llama_cpp_internal"] = {
+        # both in llama.cpp: the adapter path against the baked path, the same arithmetic on both sides
+        "base_lora_math_vs_baked_math": compare(outputs["math"], outputs["baked"]),
+        **{f"lora_{d}_correction_vs_transformers_correction": correction_gap(outputs[d], outputs["base"], reference[d],
+                                                                             reference["none"]) for d in DOMAINS},
+    }
     record["peft_merge_and_unload"] = {}
     for domain in DOMAINS:
         base = AutoModelForCausalLM.from_pretrained(os.path.join(adapters, BASE_DIR)).eval()
@@ -198,7 +222,8 @@ def check_variant(name, model_dir, root, converters, scale):
 def summary_rows(results):
     rows = []
     for variant, record in results.items():
-        for check, numbers in {**record.get("llama_cpp", {}),
+        internal = {k: v for k, v in record.get("llama_cpp_internal", {}).items() if isinstance(v, dict)}
+        for check, numbers in {**record.get("llama_cpp", {}), **internal,
                                **{f"peft_merge_and_unload_{d}": v for d, v in record.get("peft_merge_and_unload", {}).items()}}.items():
             rows.append([variant, check, f"{numbers['max_abs_logit_diff']:.3g}", f"{numbers['max_abs_logit']:.1f}",
                          f"{numbers['greedy_identical_prompts']}/{len(PROMPTS)}"])
