@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+from benchmarks._common import add_output_options, machine_info, write_json  # noqa: E402
 
 FIGURES = ("gap_closed", "exact_match", "top1_agreement", "first_disagreement")
 
@@ -95,14 +95,16 @@ def main() -> None:
     parser.add_argument("--demo", help="a demo work directory's results.json (mergekit-darts demo)")
     parser.add_argument("--sweep", help="bench_synthesis.py's JSON")
     parser.add_argument("--tag", help="the sweep's tag")
-    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "behaviour_correlation.json"))
+    add_output_options(parser)
     args = parser.parse_args()
     record = {"command": " ".join(sys.argv), "machine": machine_info(), "figures": list(FIGURES)}
     if args.demo:
-        points = demo_points(json.load(open(args.demo)))
+        with open(args.demo) as handle:
+            points = demo_points(json.load(handle))
         record["demo"] = {"points": points, "spearman": correlations(points)}
     if args.sweep:
-        points = sweep_points(json.load(open(args.sweep)), args.tag)
+        with open(args.sweep) as handle:
+            points = sweep_points(json.load(handle), args.tag)
         record["sweep"] = {"tag": args.tag, "points": len(points), "spearman": correlations(points)}
     for part in ("demo", "sweep"):
         if part in record:
@@ -110,7 +112,7 @@ def main() -> None:
             for figure, entry in record[part]["spearman"].items():
                 cells = ", ".join(f"{k} {v['rho']:+.2f} (p {v['p']:.2g}, n {v['n']})" for k, v in entry.items() if v)
                 print(f"  {figure:20s} {cells}")
-    write_json("behaviour_correlation", record, path=args.out)
+    write_json("behaviour_correlation", record, path=args.out, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

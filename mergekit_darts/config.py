@@ -364,7 +364,7 @@ def preset_settings(surgery: "SurgeryConfig") -> Optional[Dict[str, Any]]:
     return {key: getattr(surgery, key) for key in PRESETS[surgery.preset]}
 
 
-def _format_error(error: ValidationError, prefix: str) -> str:
+def format_validation_error(error: ValidationError, prefix: str) -> str:
     lines = []
     for item in error.errors():
         loc = ".".join(str(part) for part in (prefix, *item["loc"]) if part != "")
@@ -388,4 +388,4 @@ def parse_surgery_block(raw: Any, prefix: str = "surgery") -> SurgeryConfig:
     try:
         return SurgeryConfig.model_validate(raw)
     except ValidationError as error:
-        raise SurgeryConfigError(_format_error(error, prefix)) from None
+        raise SurgeryConfigError(format_validation_error(error, prefix)) from None

@@ -10,7 +10,7 @@ stopping need (docs/reliability.md lists them).
 import logging
 from typing import Dict, List, Optional
 
-from mergekit_darts.config import SurgeryConfig, SurgeryConfigError, _format_error
+from mergekit_darts.config import SurgeryConfig, SurgeryConfigError, format_validation_error
 from mergekit_darts.errors import DeviceError, FormatError, MergeConfigError, first_line
 from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
                                                surgery_inputs)
@@ -24,7 +24,7 @@ def merge_config_error(error: BaseException) -> MergeConfigError:
     from pydantic import ValidationError
 
     if isinstance(error, ValidationError):
-        return MergeConfigError(_format_error(error, "config"))
+        return MergeConfigError(format_validation_error(error, "config"))
     return MergeConfigError(f"config: mergekit refuses the merge part: {first_line(error)}")
 
 
@@ -119,6 +119,14 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
                 f"{where}: expert {domain.model!r} has vocabulary size {expert.vocab_size} but the merged "
                 f"model has {reference.vocab_size}; experts must share the merged model's tokenizer"
             )
+        writer = domain.calibration.synthesize_writer
+        if writer is not None:  # it writes prompts read with the merged tokenizer: the same vocabulary
+            where = f"surgery.domains.{name}.calibration.synthesize_writer"
+            config = _load_config(writer, where, trust_remote_code)
+            if check_vocab and config.vocab_size != reference.vocab_size:
+                raise SurgeryConfigError(
+                    f"{where}: {writer!r} has vocabulary size {config.vocab_size} but the merged model has "
+                    f"{reference.vocab_size}; use a model of the same family, e.g. the merge's base model")
 
 
 def check_device(settings: RunSettings) -> None:
@@ -159,17 +167,21 @@ def check_tokenizers(surgery: SurgeryConfig, reference_path: str, trust_remote_c
         return None
     vocab = reference.get_vocab()
     for name, domain in surgery.domains.items():
-        expert = _load_tokenizer(domain.model, trust_remote_code)
-        if expert is None:
-            continue
-        other = expert.get_vocab()
-        if other != vocab:
-            differing = len(set(vocab.items()) ^ set(other.items()))
-            raise SurgeryConfigError(
-                f"surgery.domains.{name}.model: expert {domain.model!r} has a different tokenizer than the merged "
-                f"model ({len(other)} vs {len(vocab)} tokens, {differing} token ids differ); experts must share "
-                "the merged model's tokenizer"
-            )
+        checked = [(f"surgery.domains.{name}.model", f"expert {domain.model!r}", domain.model)]
+        if domain.calibration.synthesize_writer is not None:
+            writer = domain.calibration.synthesize_writer
+            checked.append((f"surgery.domains.{name}.calibration.synthesize_writer", repr(writer), writer))
+        for where, what, path in checked:
+            other = _load_tokenizer(path, trust_remote_code)
+            if other is None:
+                continue
+            other = other.get_vocab()
+            if other != vocab:
+                differing = len(set(vocab.items()) ^ set(other.items()))
+                raise SurgeryConfigError(
+                    f"{where}: {what} has a different tokenizer than the merged model ({len(other)} vs "
+                    f"{len(vocab)} tokens, {differing} token ids differ); it must share the merged model's tokenizer"
+                )
     return reference
 
 

@@ -94,3 +94,14 @@ def test_library_modules_do_not_import_click_or_the_cli():
         imported = _imports(path, name)
         assert not any(t.startswith("mergekit_darts.cli") for t in imported), name
         assert "import click" not in source and "from click" not in source, name
+
+
+def test_no_module_imports_another_modules_private_name():
+    """docs/design.md: a ``_name`` stays inside its module (a name another module needs is public)."""
+    crossing = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("mergekit_darts")):
+                crossing += [f"{path.relative_to(PACKAGE)}: {node.module}.{alias.name}" for alias in node.names
+                             if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not crossing, crossing

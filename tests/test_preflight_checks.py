@@ -124,6 +124,20 @@ def test_expert_with_another_tokenizer(tiny_family, odd_experts, tmp_path):
     assert message.startswith("surgery.domains.code.model") and "tokenizer" in message
 
 
+def _with_writer(paths, tmp_path, writer):
+    domains = ["    math:", f"      model: {paths['math']}",
+               "      calibration: {texts: ['what is 3 plus 4 ?', 'how many apples are left ?'], "
+               f"synthesize: 4, synthesize_writer: {writer}}}"]
+    return _block(paths, tmp_path, domains_yaml=domains)
+
+
+def test_synthesize_writer_is_checked_before_the_merge(tiny_family, odd_experts, tmp_path):
+    message = _fails_before_merge(_with_writer(tiny_family, tmp_path, odd_experts["shuffled"]), tmp_path / "out")
+    assert message.startswith("surgery.domains.math.calibration.synthesize_writer") and "tokenizer" in message
+    message = _fails_before_merge(_with_writer(tiny_family, tmp_path, tmp_path / "nowhere"), tmp_path / "out")
+    assert message.startswith("surgery.domains.math.calibration.synthesize_writer") and "cannot load" in message
+
+
 def _calibration_file(tmp_path, values):
     path = tmp_path / "calib.jsonl"
     path.write_text("".join(json.dumps({"question": value}) + "\n" for value in values))
@@ -189,7 +203,7 @@ def family_copy(tiny_family, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["base by relative path", "base by symlink", "expert", "expert by symlink",
-                                    "parent of the calibration file", "parent of the cache"])
+                                    "parent of the calibration file", "parent of the cache", "synthesize writer"])
 def test_output_that_is_an_input_is_refused(family_copy, tmp_path, monkeypatch, target):
     """Issue 25 item 1: writing over base_model replaced it silently, over an expert after one warning."""
     paths = family_copy
@@ -211,6 +225,14 @@ def test_output_that_is_an_input_is_refused(family_copy, tmp_path, monkeypatch, 
         out, watched, field = "link", paths["math"], "surgery.domains.math.model"
     elif target == "parent of the calibration file":
         out, watched, field = tmp_path / "data", calibration, "surgery.domains.math.calibration.path"
+    elif target == "synthesize writer":  # prompts written by another model: an input too
+        writer = str(Path(paths["base"]).parent / "writer")
+        import shutil
+
+        shutil.copytree(paths["base"], writer)
+        source = source.replace(f"calibration: {{path: {calibration}}}",
+                                f"calibration: {{path: {calibration}, synthesize: 2, synthesize_writer: {writer}}}")
+        out, watched, field = writer, writer, "surgery.domains.math.calibration.synthesize_writer"
     else:  # the capture cache would be deleted with the folder's old contents
         (tmp_path / "runs").mkdir()
         (tmp_path / "runs" / "notes.txt").write_text("kept")

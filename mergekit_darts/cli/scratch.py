@@ -3,9 +3,8 @@ rewrites the user's MERGED_PATH.
 
 The weight files are hard-linked (no copy of a 7B model; the surgery never writes into them: the
 export only renames a single ``model.safetensors`` and writes its own files anew), everything else
-is copied. The copy sits beside MERGED_PATH under a fixed name, so the capture cache (keyed by the
-directory's path) is reused by the next ``compare`` on the same directory, and it is deleted when
-the command ends.
+is copied. The copy sits beside MERGED_PATH under a fixed name and is deleted when the command ends; the
+capture cache is keyed by content, so the hard-linked copy reuses MERGED_PATH's captures.
 """
 
 import contextlib

@@ -94,6 +94,8 @@ def surgery_inputs(surgery) -> Dict[str, str]:
         found.setdefault(domain.model, f"surgery.domains.{name}.model")
         if domain.calibration.path:
             found.setdefault(domain.calibration.path, f"surgery.domains.{name}.calibration.path")
+        if domain.calibration.synthesize_writer:
+            found.setdefault(domain.calibration.synthesize_writer, f"surgery.domains.{name}.calibration.synthesize_writer")
     if surgery.router_eval is not None and surgery.router_eval.path:
         found.setdefault(surgery.router_eval.path, "surgery.router_eval.path")
     if surgery.cache_dir:

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mergekit_darts.config import _format_error, split_yaml
+from mergekit_darts.config import format_validation_error, split_yaml
 from mergekit_darts.errors import SweepConfigError
 
 
@@ -166,5 +166,5 @@ def parse_sweep(source: str, where: str = "sweep YAML") -> SweepSpec:
     try:
         block = SweepBlock.model_validate(raw)
     except ValidationError as error:
-        raise SweepConfigError(_format_error(error, "sweep")) from None
+        raise SweepConfigError(format_validation_error(error, "sweep")) from None
     return SweepSpec(merge=merge, surgery=surgery, sweep=block)

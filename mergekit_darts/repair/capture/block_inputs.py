@@ -1,5 +1,5 @@
 """``depth: k``: the input of the merged model's first adapted block, and its frozen last blocks
-(docs/quality.md, "Deeper correction").
+(docs/quality.md, "Depth: adapters inside the last decoder blocks").
 
 The capture keeps, per domain, the input of the first adapted block ([N, T, H], taken in the same
 forward as the merged final states, ``capture/domains.py``) and one frozen float32 copy of the last k

@@ -1,5 +1,5 @@
 """What training runs for a domain with ``depth: k``: the frozen last blocks with the domain's adapters
-on their linears, then the final-state correction (docs/quality.md, "Deeper correction").
+on their linears, then the final-state correction (docs/quality.md, "Depth: adapters inside the last decoder blocks").
 
 The emitted model applies the same adapters inside its own blocks (remote_code/), so what is trained
 here is what loads.
