@@ -1,6 +1,6 @@
 """Task scores for an emitted directory through lm-evaluation-harness (GSM8K, HumanEval, AlpacaEval).
 
-Tasks (templates in ``mergekit_darts/lmeval_tasks``, all offline on local files):
+Tasks (templates in ``mergekit_darts/evaluation/lmeval_tasks``, all offline on local files):
 
 - ``gsm8k_darts``: zero-shot chain-of-thought exact match on a JSONL in GSM8K's format
   (``question`` / ``answer`` ending in ``#### n``); strict (``#### n``) and flexible (last number).
