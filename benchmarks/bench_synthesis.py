@@ -32,6 +32,9 @@ CONDITIONS = {
     # fine-tuned on answers only, no longer write prompts (docs/quality.md); "synth500x": by the experts
     "synth500": {"synthesize": SYNTHESIZED, "synthesize_writer": "{base}"},
     "synth500x": {"synthesize": SYNTHESIZED},
+    # how well each writer writes: 50 prompts from the 40 training prompts (the acceptance table)
+    "synth50": {"synthesize": 50, "synthesize_writer": "{base}"},
+    "synth50x": {"synthesize": 50},
 }
 VARIANTS = {
     "kl": {"loss": "kl"},

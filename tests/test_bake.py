@@ -135,6 +135,23 @@ def test_relu_content_is_refused(tiny_family, tmp_path):
     assert not (tmp_path / "dest").exists() and not (tmp_path / "adapters").exists()
 
 
+def test_every_reason_is_named_at_once(tiny_family, tmp_path):
+    """A ReLU DARTS output fails for two reasons; both are in the one message (issue 26 item 5)."""
+    import shutil
+
+    from mergekit_darts.output.export import export_surgery
+    from mergekit_darts.remote_code.surgery import DomainSurgery
+
+    out = tmp_path / "relu_darts"
+    shutil.copytree(tiny_family["merged"], out)
+    export_surgery(str(out), {"math": DomainSurgery(32, rank=2, method="darts", max_positions=8)}, {"math": "m"},
+                   "math", loss="l1")
+    result = _invoke("bake", out, tmp_path / "dest", "--domain", "math")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "2 reasons" in result.output and "content: 'relu'" in result.output and "method: 'darts'" in result.output
+    assert not (tmp_path / "dest").exists()
+
+
 def _surgery_block(paths, tmp_path):
     lines = ["surgery:", "  method: darts", "  content: linear", "  loss: kl", "  head_rank: 2", "  rank: 4",
              "  max_positions: 32", "  steps: 30", "  lr: 0.01", "  held_out: 0.25", "  default_domain: math",

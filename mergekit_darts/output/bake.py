@@ -97,23 +97,28 @@ def _block_factors(handle, available, domain: str, shard: str) -> Dict[str, tupl
 
 
 def check_foldable(shape: SurgeryShape, drop_position_bias: bool, allow_depth: bool = False) -> None:
+    """Every reason the correction cannot be folded into the LM head, in one error (so a retrain that
+    fixes one reason does not meet the next only then)."""
+    reasons = []
     if shape.depth and not allow_depth:
-        raise FoldError(
+        reasons.append(
             f"depth: {shape.depth} — adapters inside decoder blocks change the blocks, not the LM head, and cannot "
             "be folded into it; use `mergekit-darts export-peft` (a PEFT LoRA carries them), serve the directory "
-            "with trust_remote_code, or retrain with depth: 0"
-        )
+            "with trust_remote_code, or retrain with depth: 0")
     if shape.content != "linear":
-        raise FoldError(
+        reasons.append(
             f"content: {shape.content!r} — a ReLU content correction is not linear and cannot be folded into the "
-            "LM head; retrain with `content: linear` in the surgery: block"
-        )
+            "LM head; retrain with `content: linear` in the surgery: block")
     if shape.method == "darts" and not drop_position_bias:
-        raise FoldError(
+        reasons.append(
             "method: 'darts' — its per-position bias table cannot be folded into the LM head; pass "
             "--drop-position-bias to fold the rest (it prints the held-out KL with and without the table), "
-            "or retrain with `method: standard`"
-        )
+            "or retrain with `method: standard`")
+    if len(reasons) == 1:
+        raise FoldError(reasons[0])
+    if reasons:
+        raise FoldError(f"{len(reasons)} reasons this output cannot be folded: "
+                        + "; and ".join(f"({i}) {r}" for i, r in enumerate(reasons, 1)))
 
 
 def merged_head_source(out_dir: str, config: dict) -> str:
