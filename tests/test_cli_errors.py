@@ -38,6 +38,10 @@ def _broken(darts_out, root: Path, kind: str) -> str:
         config = json.loads((out / "config.json").read_text())
         config["darts"]["format_version"] = 99
         (out / "config.json").write_text(json.dumps(config))
+    elif kind == "string format version":  # "3" must not read as a version newer than this one
+        config = json.loads((out / "config.json").read_text())
+        config["darts"]["format_version"] = str(config["darts"]["format_version"])
+        (out / "config.json").write_text(json.dumps(config))
     elif kind == "missing weight shard":
         (out / "model-00001-of-00001.safetensors").unlink()
     elif kind == "missing modeling_darts.py":
@@ -50,6 +54,7 @@ EXPECTED = {
     "empty directory": "the directory is empty",
     "a file": "is a file, not a directory",
     "newer format version": "config.darts.format_version 99 is not supported by this mergekit-darts",
+    "string format version": "config.darts.format_version: must be an integer",
     "missing weight shard": "names model-00001-of-00001.safetensors, which is missing",
     "missing modeling_darts.py": "modeling_darts.py",
 }
@@ -64,7 +69,7 @@ COMMANDS = {
 }
 # the model code matters only to what loads it; report reads only darts_report.json
 NOT_NEEDED = {("missing modeling_darts.py", c) for c in ("info", "bake", "export-peft", "report")} | {
-    ("newer format version", "report"), ("missing weight shard", "report")}
+    ("newer format version", "report"), ("string format version", "report"), ("missing weight shard", "report")}
 
 
 @pytest.mark.parametrize("kind", list(EXPECTED))

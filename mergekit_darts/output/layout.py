@@ -97,6 +97,11 @@ def read_shape(meta: dict) -> dict:
     if not isinstance(meta, dict):
         raise ValueError(f"config.darts: expected a mapping, got {type(meta).__name__}")
     version = meta.get("format_version", 1)
+    # the same rules as remote_code/surgery.py's SurgeryShape.from_meta (kept apart: this module is torch-free)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(
+            f"config.darts.format_version: must be an integer, got {version!r} ({type(version).__name__}); "
+            "config.json was edited or written by another tool: restore the number mergekit-darts wrote")
     if version == 1:  # mergekit-darts 0.1.x: ReLU content was the only kind
         meta = {**meta, "content": "relu"}
     if version in (1, 2):  # before depth existed: the final state only
