@@ -2,7 +2,7 @@
 "Which figure predicts the task scores"): Spearman rank correlation over rows x domains.
 
     python benchmarks/behaviour_correlation.py --demo DEMO_WORKDIR/results.json \
-        [--sweep benchmarks/results/quality_synthesis.json --tag NAME] [--out ...]
+        [--sweep benchmarks/results/quality_synthesis.json --tags NAME ...] [--out ...]
 
 Points: every demo row that has a surgery report (the DARTS/standard variants; not the experts, the
 base or the routed row, which have no report of their own), plus the plain merge (gap closed 0, the
@@ -50,20 +50,22 @@ def demo_points(results: dict) -> list:
     return points
 
 
-def sweep_points(sweep: dict, tag: str) -> list:
-    run = sweep["runs"][tag]
-    experts = {d: run["references"][f"expert_{d}"][d] for d in ("math", "code", "instruct")} \
-        if "references" in run else {}
+def sweep_points(sweep: dict, tags) -> list:
+    """Every scored run of the sweep's ``tags`` (pooled: sweeps run in parallel on disjoint seeds)."""
+    runs = [sweep["runs"][tag] for tag in tags]
+    references = next((run["references"] for run in runs if "references" in run), None)
+    experts = {d: references[f"expert_{d}"][d] for d in ("math", "code", "instruct")} if references else {}
     points = []
-    for condition, variants in run["results"].items():
-        for variant, seeds in variants.items():
-            for seed, result in seeds.items():
-                for domain, entry in result["domains"].items():
-                    if "scores" not in result or "before" not in (entry.get("behaviour") or {}):
-                        continue
-                    points.append({"row": f"{condition}/{variant}/s{seed}", "domain": domain,
-                                   "score": result["scores"][domain], "expert": experts.get(domain),
-                                   "gap_closed": entry["gap_closed"], **entry["behaviour"]["after"]})
+    for run in runs:
+        for condition, variants in run["results"].items():
+            for variant, seeds in variants.items():
+                for seed, result in seeds.items():
+                    for domain, entry in result["domains"].items():
+                        if "scores" not in result or "before" not in (entry.get("behaviour") or {}):
+                            continue
+                        points.append({"row": f"{condition}/{variant}/s{seed}", "domain": domain,
+                                       "score": result["scores"][domain], "expert": experts.get(domain),
+                                       "gap_closed": entry["gap_closed"], **entry["behaviour"]["after"]})
     return points
 
 
@@ -94,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--demo", help="a demo work directory's results.json (mergekit-darts demo)")
     parser.add_argument("--sweep", help="bench_synthesis.py's JSON")
-    parser.add_argument("--tag", help="the sweep's tag")
+    parser.add_argument("--tags", nargs="+", help="the sweep's tags (pooled)")
     add_output_options(parser)
     args = parser.parse_args()
     record = {"command": " ".join(sys.argv), "machine": machine_info(), "figures": list(FIGURES)}
@@ -104,8 +106,8 @@ def main() -> None:
         record["demo"] = {"points": points, "spearman": correlations(points)}
     if args.sweep:
         with open(args.sweep) as handle:
-            points = sweep_points(json.load(handle), args.tag)
-        record["sweep"] = {"tag": args.tag, "points": len(points), "spearman": correlations(points)}
+            points = sweep_points(json.load(handle), args.tags)
+        record["sweep"] = {"tags": args.tags, "points": len(points), "spearman": correlations(points)}
     for part in ("demo", "sweep"):
         if part in record:
             print(f"\n{part}: Spearman rho (p) of each figure with the task score, over rows x domains")
