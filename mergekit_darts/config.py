@@ -336,12 +336,13 @@ class SurgeryConfig(_Strict):
 
 
 # What each preset sets; keys written in the YAML win. "paper" is the defaults, spelled out. "best"
-# is the variant with the highest mean held-out KL gap closed over the demo domains and six seeds
-# (benchmarks/results/quality_ablation.json, run "preset_selection"; docs/quality.md has the table
-# and why the margin is small).
+# is the variant with the highest mean held-out KL gap closed over the demo domains and six seeds with
+# the demo's 50 prompts per domain, within the 0.1 % parameter budget of a 7B shape
+# (benchmarks/results/quality_synthesis.json, condition "real50"; docs/quality.md has the tables).
 PRESETS: Dict[str, Dict[str, Any]] = {
     "paper": {"method": "darts", "loss": "ewl1", "content": "relu", "rank": 16, "head_rank": 0, "steps": 500, "lr": 1.0e-3},
-    "best": {"method": "darts", "loss": "kl", "content": "relu", "rank": 64, "head_rank": 0, "steps": 500, "lr": 1.0e-3},
+    "best": {"method": "darts", "loss": "kl", "content": "relu", "rank": 64, "head_rank": 0, "steps": 500, "lr": 1.0e-3,
+             "depth": "all", "depth_rank": 1, "batch_size": 50},
 }
 
 
@@ -354,6 +355,8 @@ def expand_preset(data: Any) -> Any:
         return data  # the Literal check names the field and the choices
     # lr_candidates replaces the preset's lr (written, both would be an error: one lr is ignored)
     filled = {k: v for k, v in PRESETS[preset].items() if not (k == "lr" and "lr_candidates" in data)}
+    if data.get("depth") == 0:  # the preset's block adapters turned off: their rank would be an ignored key
+        filled.pop("depth_rank", None)
     return {**filled, **data}
 
 

@@ -27,7 +27,7 @@ ABLATIONS = [
     ("darts_kl", "DARTS + KL (beyond the paper)", {"method": "darts", "loss": "kl"}),
     # quality options (docs/quality.md): what `preset: best` sets (the demo YAML's explicit rank and
     # loss would win over the preset itself), and adapters inside the last decoder block
-    ("darts_kl_rank64", "DARTS + KL, rank 64 (= preset: best)", {"method": "darts", "loss": "kl", "rank": 64}),
+    ("darts_kl_rank64", "DARTS + KL, rank 64 (preset: best before 2026-12-01)", {"method": "darts", "loss": "kl", "rank": 64}),
     ("darts_kl_depth1", "DARTS + KL, depth 1 (block adapters)", {"method": "darts", "loss": "kl", "depth": 1}),
     # no ReLU: the content correction folds into the LM head (`mergekit-darts bake`, `export-peft`);
     # the position table does not, so this variant bakes only with --drop-position-bias
