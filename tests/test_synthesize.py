@@ -154,5 +154,6 @@ def test_another_model_can_write_the_prompts(tiny_family, tmp_path):
     make_random_model(str(other), seed=3, vocab_size=77)
     with pytest.raises(SurgeryConfigError, match="calibration.synthesize_writer: .*vocabulary"):
         run_surgery(_config(tiny_family, tmp_path / "cache", 4, other), str(out))
-    with pytest.raises(SurgeryConfigError, match="calibration.synthesize_writer: .*neither a local directory"):
+    # checked before any capture, like an expert path (test_preflight_checks.py runs it before a merge)
+    with pytest.raises(SurgeryConfigError, match="calibration.synthesize_writer: cannot load a model config"):
         run_surgery(_config(tiny_family, tmp_path / "cache", 4, tmp_path / "missing"), str(out))
