@@ -61,7 +61,8 @@ def run_variant(demo_dir: str, name: str, overrides: dict, score: bool, test=Non
     for domain, data in captured.domains.items():
         torch.manual_seed(settings.seed)
         start = time.perf_counter()
-        trained = train_domain(domain, data, captured.merged_head, surgery, settings, tail=captured.tail)
+        trained = train_domain(domain, data, captured.merged_head, surgery, settings, tail=captured.tail,
+                               merged_dir=out)
         seconds = time.perf_counter() - start
         modules[domain] = trained.module
         report["domains"][domain] = trained.entry

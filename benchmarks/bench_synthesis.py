@@ -136,7 +136,8 @@ def run_one(demo_dir: str, condition: str, variant: str, seed: int, score: bool,
     modules, result = {}, {"capture_s": round(capture_s, 1), "domains": {}}
     for domain, data in captured.domains.items():
         torch.manual_seed(seed)
-        trained = train_domain(domain, data, captured.merged_head, surgery, settings, tail=captured.tail)
+        trained = train_domain(domain, data, captured.merged_head, surgery, settings, tail=captured.tail,
+                               merged_dir=out)
         modules[domain], entry = trained.module, trained.entry
         report["domains"][domain] = entry
         result["domains"][domain] = {

@@ -213,7 +213,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     if captured.tail is not None:  # the merged model's decoder layers: whether depth adapts all of them
         report["surgery"]["layers"] = captured.tail.first + len(captured.tail.layers)
     for name, data in captured.domains.items():
-        trained = train_domain(name, data, captured.merged_head, surgery, settings, tail=captured.tail)
+        trained = train_domain(name, data, captured.merged_head, surgery, settings, tail=captured.tail,
+                               merged_dir=out_path)
         modules[name] = trained.module
         report["domains"][name] = trained.entry
         LOG.info("domain %s: %s", name, before_after(trained.entry["bias"], f"{_split_label(trained.entry)} bias"))

@@ -3,7 +3,7 @@
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -41,15 +41,18 @@ class TrainedDomain:
 
 
 def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryConfig,
-                 settings: RunSettings, tail=None) -> TrainedDomain:
+                 settings: RunSettings, tail=None, merged_dir: Optional[str] = None) -> TrainedDomain:
     """Train one domain's module on its cached states and measure it on the held-out records.
-    ``tail`` (``depth > 0``): the frozen last blocks; the module then reads ``data.block_inputs``."""
+    ``tail`` (``depth > 0``): the frozen last blocks; the module then reads ``data.block_inputs``.
+    ``merged_dir``: the merge's weights, for the data-free extract (expert − merge) that
+    ``adapter_init: delta`` starts from and the report's ``baseline`` measures."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
     from mergekit_darts.repair.capture.context import resolve_device
     from mergekit_darts.repair.report.behaviour import domain_behaviour
     from mergekit_darts.repair.report.measure import bias_by_position, held_out_kl
     from mergekit_darts.repair.report.verdict import domain_verdict
     from mergekit_darts.repair.train.selection import fit
+    from mergekit_darts.repair.train.delta_init import start_from_deltas
     from mergekit_darts.repair.train.tail import TailSurgery
 
     started = time.perf_counter()
@@ -71,11 +74,14 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         return part
 
     shape = SurgeryShape.from_config(surgery)
+    deltas = weight_deltas(name, data, merged_head, surgery, settings, tail, merged_dir, device)
 
-    def make_module():
+    def make_module(from_deltas: bool = surgery.adapter_init == "delta"):
         module = DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
                                           vocab_size=merged_head.shape[0],
                                           block_targets=tail.targets if tail is not None else None)
+        if from_deltas:
+            start_from_deltas(module, deltas)
         return TailSurgery(tail, module.to(device)) if tail is not None else module
 
     fitted = fit(
@@ -127,4 +133,49 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
                                           surgery.domains[name].calibration.continue_tokens,
                                           surgery.max_positions, surgery.kl_chunk_size)
     entry["verdict"] = domain_verdict(entry, surgery.loss)
+    if deltas is not None:  # what the same adapters give untrained, straight from the weights
+        entry["baseline"] = measure_extract(make_module(from_deltas=True).eval(), deltas, data, eval_idx, held,
+                                            merged_head, surgery, surgery.domains[name].calibration.continue_tokens,
+                                            device)
+    else:
+        entry["baseline"] = {"not_measured": "the data-free extract (expert − merge) needs block adapters "
+                                             "(depth > 0) or a head correction (head_rank > 0)"}
     return TrainedDomain(module=module, entry=entry)
+
+
+def weight_deltas(name, data, merged_head, surgery, settings, tail, merged_dir, device):
+    """The domain's truncated-SVD factors of (expert − merge) (``delta_init.DomainDeltas``), or None
+    when the module has nothing they could start (no depth, no head correction) or no ``merged_dir``."""
+    from mergekit_darts.repair.capture.models import resolve_model_dir
+    from mergekit_darts.repair.train.delta_init import domain_deltas
+
+    if tail is None and surgery.head_rank == 0:
+        return None
+    if merged_dir is None:
+        if surgery.adapter_init == "delta":
+            raise SurgeryConfigError("adapter_init: delta needs the merged model's weights (train_domain's merged_dir)")
+        return None
+    return domain_deltas(merged_dir, resolve_model_dir(surgery.domains[name].model),
+                         tail.targets if tail is not None else None, surgery.depth_rank if tail is not None else 0,
+                         surgery.head_rank, data.expert_head, merged_head, device=device,
+                         progress=settings.progress, desc=f"weight deltas[{name}]")
+
+
+def measure_extract(extract, deltas, data, eval_idx, held, merged_head, surgery, continue_tokens: int,
+                    device) -> Dict[str, Any]:
+    """The report's ``baseline``: the untrained delta-initialised module (the block adapters and head
+    correction as ``mergekit-extract-lora`` would extract them, the final-state correction the identity)
+    measured on the same held-out records as the trained one."""
+    from mergekit_darts.repair.report.behaviour import domain_behaviour
+    from mergekit_darts.repair.report.measure import held_out_kl
+
+    started = time.perf_counter()
+    with torch.no_grad():
+        corrected = extract(held["input"].float().to(device), held["position_ids"].to(device)).cpu()
+    kl = held_out_kl(extract, {k: v.to(device) for k, v in held.items()}, data.expert_head.to(device),
+                     merged_head.to(device), surgery.kl_chunk_size)
+    surgery_module = (extract.surgery if hasattr(extract, "surgery") else extract).cpu()
+    behaviour = domain_behaviour(data, eval_idx, corrected, surgery_module, merged_head.cpu(), continue_tokens,
+                                 surgery.max_positions, surgery.kl_chunk_size)
+    return {"kind": "data-free extract (truncated SVD of expert − merge)", **deltas.describe(),
+            "held_out_kl": kl, "behaviour": behaviour, "seconds": round(time.perf_counter() - started, 3)}

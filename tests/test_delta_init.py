@@ -1,0 +1,131 @@
+"""``adapter_init: delta``: block adapters and the head correction started from the truncated SVD of
+(expert − merge), equal to what ``mergekit-extract-lora`` extracts, and the data-free extract as the
+report's ``baseline`` (docs/quality.md, "Starting from the weight deltas")."""
+
+import shutil
+
+import pytest
+import torch
+
+from test_depth import depth_config
+
+
+def _run(family, root, **keys):
+    from mergekit_darts.pipeline import run_surgery
+
+    out = root / "out"
+    shutil.copytree(family["merged"], out)
+    extra = "".join(f"  {key}: {value}\n" for key, value in keys.items() if key != "steps")
+    report = run_surgery(depth_config(family, root / "cache", depth="all", steps=keys.get("steps", 20),
+                                      extra=extra), str(out))
+    return str(out), report
+
+
+@pytest.fixture(scope="module")
+def extract_output(tiny_family, tmp_path_factory):
+    """The tiny merge with ``adapter_init: delta`` and ``steps: 0``: the data-free extract itself."""
+    return _run(tiny_family, tmp_path_factory.mktemp("extract"), steps=0, adapter_init="delta", head_rank=2)
+
+
+def _extract_lora(expert, merged, out, rank):
+    """The real ``mergekit-extract-lora`` (in process), the LM head decomposed too (``--embed-lora``)."""
+    from click.testing import CliRunner
+    from mergekit.scripts.extract_lora import main
+    from safetensors.torch import load_file
+
+    result = CliRunner().invoke(main, ["--model", expert, "--base-model", merged, "--out-path", out,
+                                       "--max-rank", str(rank), "--embed-lora"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return load_file(f"{out}/adapter_model.safetensors")
+
+
+def test_steps_0_equals_mergekit_extract_lora(extract_output, tiny_family, tmp_path):
+    """Every block adapter's up·down and the head correction's H_u·H_d equal lora_B·lora_A of
+    mergekit-extract-lora --model EXPERT --base-model MERGED at the same rank."""
+    from safetensors.torch import load_file
+
+    out, _ = extract_output
+    darts = load_file(f"{out}/darts.safetensors")
+    for domain in ("math", "code"):
+        lora = _extract_lora(tiny_family[domain], tiny_family["merged"], str(tmp_path / domain), rank=2)
+        compared = 0
+        for name, lora_a in lora.items():
+            if ".lora_A.weight" not in name or "embed_tokens" in name:
+                continue
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            expected = lora[name.replace("lora_A", "lora_B")].float() @ lora_a.float()
+            if module == "lm_head":
+                prefix = f"darts.{domain}.head_"
+            else:
+                layer, path = module.removeprefix("model.layers.").split(".", 1)
+                prefix = f"darts.{domain}.blocks.{layer}.{path}."
+            product = darts[prefix + "up.weight"] @ darts[prefix + "down.weight"]
+            torch.testing.assert_close(product, expected, atol=1e-5, rtol=1e-4)
+            compared += 1
+        assert compared == 2 * 7 + 1  # q k v o gate up down in each of the two blocks, and the head
+
+
+def test_untrained_extract_is_the_reported_baseline(extract_output):
+    """With steps 0 the exported module is the extract: its held-out figures are the baseline's."""
+    from safetensors.torch import load_file
+
+    out, report = extract_output
+    darts = load_file(f"{out}/darts.safetensors")
+    for name, entry in report["domains"].items():
+        baseline = entry["baseline"]
+        assert baseline["rank"] == 2 and baseline["linears"] == 14 and baseline["head_rank"] == 2
+        # its size: the block adapters and the head correction as exported (the final-state part is identity)
+        assert baseline["parameters"] == sum(t.numel() for key, t in darts.items()
+                                             if key.startswith((f"darts.{name}.blocks.", f"darts.{name}.head_")))
+        assert baseline["held_out_kl"]["after"] == pytest.approx(entry["held_out_kl"]["after"], rel=1e-5)
+        assert baseline["held_out_kl"]["after"] != pytest.approx(baseline["held_out_kl"]["before"], rel=1e-3)
+
+
+def test_zero_init_reports_the_extract_beside_the_trained_module(tiny_family, tmp_path):
+    """The paper's identity start is untouched by the weights; the baseline still reads them (the
+    tiny difference of 'after' is the float32 replay of the blocks)."""
+    _, report = _run(tiny_family, tmp_path, steps=0, head_rank=2)
+    for entry in report["domains"].values():
+        assert entry["held_out_kl"]["after"] == pytest.approx(entry["held_out_kl"]["before"], rel=1e-4)
+        assert entry["baseline"]["held_out_kl"]["after"] != pytest.approx(entry["held_out_kl"]["after"], rel=1e-2)
+
+
+def test_training_starts_from_the_extract(extract_output, tiny_family, tmp_path):
+    """Trained from the extract, the same baseline is reported and the training moved away from it."""
+    _, trained = _run(tiny_family, tmp_path, steps=5, adapter_init="delta", head_rank=2)
+    for name, entry in extract_output[1]["domains"].items():
+        assert trained["domains"][name]["baseline"]["held_out_kl"] == entry["baseline"]["held_out_kl"]
+        assert trained["domains"][name]["held_out_kl"]["after"] != pytest.approx(entry["held_out_kl"]["after"], rel=1e-3)
+    assert trained["surgery"]["adapter_init"] == "delta"
+
+
+def test_depth_0_has_no_extract_and_delta_needs_something_to_start(tiny_family, tmp_path):
+    from mergekit_darts.config import SurgeryConfigError
+    from mergekit_darts.pipeline import parse_config_source
+
+    config = depth_config(tiny_family, tmp_path / "cache", depth=0).replace("  depth_rank: 2\n", "")
+    with pytest.raises(SurgeryConfigError, match="adapter_init"):
+        parse_config_source(config.replace("  domains:\n", "  adapter_init: delta\n  domains:\n"))
+    from mergekit_darts.pipeline import run_surgery
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_family["merged"], out)
+    report = run_surgery(config.replace("  steps: 20\n", "  steps: 2\n"), str(out))
+    assert "block adapters" in report["domains"]["math"]["baseline"]["not_measured"]
+
+
+def test_randomized_svd_close_to_exact(monkeypatch):
+    """Above EXACT_SVD_MAX (on a CPU) the SVD is randomized; on a decaying spectrum it is close."""
+    from mergekit_darts.repair.train import delta_init
+
+    generator = torch.Generator().manual_seed(0)
+    left, right = torch.randn(300, 40, generator=generator), torch.randn(40, 200, generator=generator)
+    matrix = left @ torch.diag(0.7 ** torch.arange(40.0)) @ right
+    exact_down, exact_up = delta_init.low_rank_factors(matrix, 8)
+    monkeypatch.setattr(delta_init, "EXACT_SVD_MAX", 16)
+    down, up = delta_init.low_rank_factors(matrix, 8)
+    exact = exact_up @ exact_down
+    assert float((up @ down - exact).norm() / exact.norm()) < 1e-3
+    short_down, short_up = delta_init.low_rank_factors(torch.ones(3, 5), 4)  # rank past the matrix's own
+    assert short_down.shape == (4, 5) and short_up.shape == (3, 4)
+    torch.testing.assert_close(short_up @ short_down, torch.ones(3, 5))
