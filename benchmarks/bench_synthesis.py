@@ -47,6 +47,12 @@ VARIANTS = {
     "best_all8": {"loss": "kl", "rank": 64, "depth": 4, "depth_rank": 8, "batch_size": 50},
     "best_all1": {"loss": "kl", "rank": 64, "depth": 4, "depth_rank": 1, "batch_size": 50},
     "best_d1": {"loss": "kl", "rank": 64, "depth": 1, "batch_size": 50},
+    # adapter_init: delta (docs/quality.md "Starting from the weight deltas"): the data-free extract of
+    # every block linear at rank r (steps 0: no training), and the same adapters trained from it
+    **{f"extract_all{r}": {"loss": "kl", "depth": 4, "depth_rank": r, "adapter_init": "delta", "steps": 0}
+       for r in (1, 2, 4, 8, 16)},
+    **{f"best_delta{r}": {"loss": "kl", "rank": 64, "depth": 4, "depth_rank": r, "adapter_init": "delta",
+                          "batch_size": 50} for r in (1, 2, 4, 8, 16)},
 }
 
 

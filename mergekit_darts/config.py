@@ -201,8 +201,7 @@ class SurgeryConfig(_Strict):
     # rank `depth_rank`, trained from the blocks' cached input (docs/quality.md)
     depth: Union[Annotated[int, Field(strict=True, ge=0, le=MAX_DEPTH)], Literal["all"]] = 0  # "all": every block
     depth_rank: StrictInt = Field(8, gt=0, le=MAX_RANK)
-    # how the block adapters and the head correction start: "zero" (identity, the paper's way) or
-    # "delta", the truncated SVD of (expert - merge) of each weight (repair/train/delta_init.py)
+    # block adapters / head correction start at zero, or at the SVD of expert - merge (train/delta_init.py)
     adapter_init: AdapterInit = "zero"
 
     @field_validator("device_map")
@@ -250,10 +249,9 @@ class SurgeryConfig(_Strict):
                f"{key} is used only when something is chosen on validation records (early_stopping: true or "
                "two or more lr_candidates)") for key in ("validation", "refit")],
             ("depth_rank", self.depth == 0, "depth", "depth_rank is used only with depth > 0"),
-            ("adapter_init", self.adapter_init == "delta" and self.depth == 0 and self.head_rank == 0,
-             "depth/head_rank", "adapter_init: delta starts the block adapters (depth > 0) and the head "
-             "correction (head_rank > 0) from the expert's weight deltas, and this run has neither; set depth "
-             "(e.g. depth: all) or remove adapter_init"),
+            ("adapter_init", self.adapter_init == "delta" and self.depth == 0 and self.head_rank == 0, "depth/head_rank",
+             "adapter_init: delta starts the block adapters (depth > 0) and the head correction (head_rank > 0) "
+             "from the expert's weight deltas, and this run has neither; set depth (e.g. depth: all)"),
             *[(key, not self.router_enabled, "router",
                f"{key} is used only with the router (router: true; it is off by default with one domain)")
               for key in ("router_threshold", "router_fallback_rate", "router_kind", "router_eval")],

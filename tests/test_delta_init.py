@@ -23,8 +23,10 @@ def _run(family, root, **keys):
 
 @pytest.fixture(scope="module")
 def extract_output(tiny_family, tmp_path_factory):
-    """The tiny merge with ``adapter_init: delta`` and ``steps: 0``: the data-free extract itself."""
-    return _run(tiny_family, tmp_path_factory.mktemp("extract"), steps=0, adapter_init="delta", head_rank=2)
+    """The tiny merge with ``adapter_init: delta`` and ``steps: 0``: the data-free extract itself
+    (linear content, no position table: a plain LoRA that ``export-peft`` writes as it is)."""
+    return _run(tiny_family, tmp_path_factory.mktemp("extract"), steps=0, adapter_init="delta", head_rank=2,
+                content="linear", method="standard")
 
 
 def _extract_lora(expert, merged, out, rank):
@@ -94,7 +96,8 @@ def test_training_starts_from_the_extract(extract_output, tiny_family, tmp_path)
     """Trained from the extract, the same baseline is reported and the training moved away from it."""
     _, trained = _run(tiny_family, tmp_path, steps=5, adapter_init="delta", head_rank=2)
     for name, entry in extract_output[1]["domains"].items():
-        assert trained["domains"][name]["baseline"]["held_out_kl"] == entry["baseline"]["held_out_kl"]
+        assert trained["domains"][name]["baseline"]["held_out_kl"]["after"] == pytest.approx(
+            entry["baseline"]["held_out_kl"]["after"], rel=1e-6)
         assert trained["domains"][name]["held_out_kl"]["after"] != pytest.approx(entry["held_out_kl"]["after"], rel=1e-3)
     assert trained["surgery"]["adapter_init"] == "delta"
 
@@ -129,3 +132,37 @@ def test_randomized_svd_close_to_exact(monkeypatch):
     short_down, short_up = delta_init.low_rank_factors(torch.ones(3, 5), 4)  # rank past the matrix's own
     assert short_down.shape == (4, 5) and short_up.shape == (3, 4)
     torch.testing.assert_close(short_up @ short_down, torch.ones(3, 5))
+
+
+def test_report_card_and_console_show_the_extract_beside_the_trained(extract_output):
+    from mergekit_darts.pipeline import summary_lines
+    from mergekit_darts.repair.report.table import render_report
+
+    out, report = extract_output
+    gap = f"{100 * report['domains']['math']['baseline']['held_out_kl']['gap_closed']:.1f}%"
+    table = render_report(out, plot=False)
+    assert "data-free extract" in table and gap in table
+    card = open(f"{out}/README.md", encoding="utf-8").read()
+    assert "Against the data-free extract" in card and f"| {gap} / {gap} |" in card  # steps 0: trained = extract
+    assert any(line.startswith("  data-free extract (rank 2 + head 2") and gap in line for line in summary_lines(report))
+
+
+def test_extract_exports_as_a_standard_peft_lora(extract_output, tmp_path):
+    """export-peft writes the delta-initialised domain as a PEFT LoRA (blocks + lm_head) on the plain
+    base; PEFT's logits and merge_and_unload equal the remote-code model's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_same_logits, logits_of
+    from mergekit_darts.output.peft_export import export_peft
+
+    out, _ = extract_output
+    summary = export_peft(out, str(tmp_path / "adapters"))
+    assert summary["math"]["block_modules"] == 14
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain="math").eval()
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "adapters" / "base-model")).eval()
+    ids = torch.randint(4, base.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    expected = logits_of(remote, ids)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "adapters" / "math")).eval()
+    assert_same_logits(logits_of(model, ids), expected)
+    assert_same_logits(logits_of(model.merge_and_unload(), ids), expected)

@@ -71,6 +71,7 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
             verdict += f" ({verdict_note(info['verdict'])})"
         lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {measured} | {change} "
                      f"| {kl_change} | {_behaviour_cell(info.get('behaviour'))} | {verdict} |")
+    lines += _baseline_lines(by_domain)
     lines += _router_lines(darts_meta.get("router"), (report or {}).get("router"))
     example = next(iter(domains))
     lines += [
@@ -94,6 +95,22 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         "",
     ]
     return "\n".join(lines)
+
+
+def _baseline_lines(by_domain: dict) -> list:
+    """The data-free extract (the same adapters from the SVD of expert − merge, untrained) beside the
+    trained correction, so a reader sees what the training added."""
+    from mergekit_darts.repair.report.table import baseline_cells
+
+    rows = [(name, cells) for name, info in by_domain.items() if (cells := baseline_cells(info)) is not None]
+    if not rows:
+        return []
+    lines = ["", "Against the data-free extract of the same adapters (truncated SVD of expert − merge, no "
+             "training; what `mergekit-extract-lora` gives), on the same held-out records:", "",
+             "| Domain | Extract | KL gap closed: extract / trained | Greedy exact match: extract / trained |",
+             "|---|---|---|---|"]
+    return lines + [f"| `{name}` | {size} | {gap.replace(' | ', ' / ')} | {exact.replace(' | ', ' / ')} |"
+                    for name, (size, gap, exact) in rows]
 
 
 def _behaviour_cell(behaviour: Optional[dict]) -> str:

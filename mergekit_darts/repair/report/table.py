@@ -3,7 +3,7 @@ and print the table from an output directory's ``darts_report.json``."""
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from mergekit_darts.console import format_table, pack
 from mergekit_darts.repair.report.plot import plot_bias
@@ -35,6 +35,37 @@ def behaviour_cells(behaviour: Optional[Dict[str, Any]]):
             f"{before['first_disagreement']:.1f} -> {after['first_disagreement']:.1f}"]
 
 
+def baseline_cells(entry: Dict[str, Any]) -> Optional[List[str]]:
+    """(extract size, KL gap closed, greedy exact match), each 'data-free extract | trained', of a
+    domain whose report has a measured ``baseline`` (the untrained delta-initialised adapters); None
+    when it has none."""
+    baseline = entry.get("baseline") or {}
+    if "held_out_kl" not in baseline:
+        return None
+
+    def gap(kl):
+        return "-" if (kl or {}).get("gap_closed") is None else f"{100 * kl['gap_closed']:.1f}%"
+
+    def exact(behaviour):
+        return f"{100 * behaviour['after']['exact_match']:.0f}%" if behaviour and "after" in behaviour else "-"
+
+    size = f"rank {baseline['rank']}" + (f" + head {baseline['head_rank']}" if baseline.get("head_rank") else "")
+    return [f"{size}, {baseline['parameters']:,} params", f"{gap(baseline['held_out_kl'])} | {gap(entry.get('held_out_kl'))}",
+            f"{exact(baseline.get('behaviour'))} | {exact(entry.get('behaviour'))}"]
+
+
+def baseline_lines(report: Dict[str, Any]) -> List[str]:
+    """The data-free extract beside the trained correction, per domain (empty when none was measured)."""
+    rows = [["domain", "data-free extract", "KL gap closed: extract | trained", "exact match: extract | trained"]]
+    rows += [[name, *cells] for name, entry in report.get("domains", {}).items()
+             if (cells := baseline_cells(entry)) is not None]
+    if len(rows) == 1:
+        return []
+    return ["", "What training added to the data-free extract (the same adapters started from the truncated SVD",
+            "of expert - merge, untrained; what mergekit-extract-lora gives), on the same held-out records:",
+            *format_table(rows)]
+
+
 def summary_table(report: Dict[str, Any]) -> str:
     """A plain-text table (Table 3 style) per domain: bias before/after surgery, and the KL to the
     expert's next-token distribution before/after with the share of it closed; "measured on" says
@@ -64,6 +95,7 @@ def summary_table(report: Dict[str, Any]) -> str:
     lines = format_table(training) + [""] + format_table(measured)
     if any(row[1] != "-" for row in behaviour[1:]):
         lines += [""] + format_table(behaviour)
+    lines += baseline_lines(report)
     from mergekit_darts.repair.report.verdict import verdict_note
 
     notes = [f"verdict {name}: {verdict_note(entry['verdict'])}" for name, entry in report.get("domains", {}).items()
