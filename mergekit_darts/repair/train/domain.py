@@ -122,9 +122,15 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
                                        data.expert_head.to(device), merged_head.to(device), surgery.kl_chunk_size)
     if not kl:
         entry["held_out_loss"] = held_out_objective(surgery.loss, held, corrected)
+    prefix_corrected = None
+    prefixes = getattr(data, "prefixes", None)  # held-out records cut to leave room for a continuation
+    if prefixes is not None:
+        with torch.no_grad():
+            prefix_inputs = prefixes.block_inputs if tail is not None else prefixes.merged_hidden
+            prefix_corrected = measured(prefix_inputs.float().to(device), prefixes.position_ids.to(device)).cpu()
     module.cpu()  # the greedy-agreement figures on the cpu, where the cached states are
     entry["behaviour"] = domain_behaviour(data, eval_idx, corrected, module, merged_head.cpu(),
                                           surgery.domains[name].calibration.continue_tokens,
-                                          surgery.max_positions, surgery.kl_chunk_size)
+                                          surgery.max_positions, surgery.kl_chunk_size, prefix_corrected)
     entry["verdict"] = domain_verdict(entry, surgery.loss)
     return TrainedDomain(module=module, entry=entry)
