@@ -259,10 +259,10 @@ def test_document_prefixes_come_from_the_cache_on_a_rerun(documents_output, tiny
     shutil.copytree(tiny_family["merged"], again)
     with caplog.at_level(logging.INFO):
         rerun = run_surgery(config, str(again))
-    assert "expert.math.prefixes" in caplog.text and "merged.math.prefixes" in caplog.text
-    assert "continue · math.prefixes" not in caplog.text  # nothing generated again
+    assert "expert.math-prefixes" in caplog.text and "merged.math-prefixes" in caplog.text
+    assert "continue · math-prefixes" not in caplog.text  # nothing generated again
     assert all("capture cache: hit" in record.getMessage() for record in caplog.records
-               if "math.prefixes" in record.getMessage())
+               if "math-prefixes" in record.getMessage())
     assert rerun["domains"]["math"]["behaviour"] == report["domains"]["math"]["behaviour"]
 
 

@@ -17,7 +17,8 @@ import torch
 
 from mergekit_darts.repair.capture.prompts import Prompts, split_held_out
 
-PREFIX_SUFFIX = ".prefixes"  # the prefix spec's name: "<domain>.prefixes" (its cache entries' label)
+# "<domain>-prefixes": no domain name holds a "-", so it names no domain and no "expert.<domain>.*" cache entry
+PREFIX_SUFFIX = "-prefixes"
 
 
 def held_out_prefixes(ids: List[List[int]], held_out: float, seed: int, continue_tokens: int,
@@ -35,7 +36,7 @@ def held_out_prefixes(ids: List[List[int]], held_out: float, seed: int, continue
 
 def prefix_specs(specs, prompts: Dict[str, Prompts], max_positions: int) -> Dict[str, tuple]:
     """{domain: (its prefix spec, the prefixes' Prompts, their record indices)} of every domain with
-    held-out records to cut. The prefix spec is the domain's, named ``<domain>.prefixes`` and
+    held-out records to cut. The prefix spec is the domain's, named ``<domain>-prefixes`` and
     greedy-continued only (no samples, no synthesis); its prompts are the prefixes."""
     out = {}
     for spec in specs:
