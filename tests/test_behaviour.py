@@ -143,9 +143,9 @@ def documents_output(tiny_family, tmp_path_factory):
     return str(out), run_surgery(config, str(out)), config
 
 
-def _documents_config(family, cache):
+def _documents_config(family, cache, extra=""):
     return merge_yaml(family) + (
-        "surgery:\n  rank: 4\n  max_positions: 32\n  steps: 40\n  lr: 0.01\n  loss: kl\n  device: cpu\n"
+        f"surgery:\n  rank: 4\n  max_positions: 32\n  steps: 40\n  lr: 0.01\n  loss: kl\n  device: cpu\n{extra}"
         f"  dtype: float32\n  seed: 0\n  held_out: 0.5\n  cache_dir: {cache}\n  domains:\n"
         f"    math:\n      model: {family['math']}\n"
         f"      calibration: {{texts: {DOCS}, samples: 10, continue_tokens: 16}}\n")
@@ -247,6 +247,25 @@ def test_document_figures_are_taken_on_held_out_prefixes(documents_output, tiny_
     _, held = split_held_out(len(DOCS), 0.5, 0)
     prompts = [tokenizer(DOCS[i])["input_ids"][:32 - 16] for i in held.tolist()]
     check_against_generation(out, tiny_family["math"], behaviour, prompts, 16)
+
+
+def test_document_prefixes_with_depth_equal_real_generation(tiny_family, tmp_path):
+    """With ``depth`` the corrected prefix states come from the frozen tail on the prefixes' block
+    inputs: still what the exported model generates."""
+    from transformers import AutoTokenizer
+
+    from mergekit_darts.pipeline import run_surgery
+    from mergekit_darts.repair.train.split import split_held_out
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_family["merged"], out)
+    config = _documents_config(tiny_family, tmp_path / "cache", "  depth: 1\n  depth_rank: 2\n")
+    behaviour = run_surgery(config, str(out))["domains"]["math"]["behaviour"]
+    assert behaviour["prefixes"] == 5
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    _, held = split_held_out(len(DOCS), 0.5, 0)
+    prompts = [tokenizer(DOCS[i])["input_ids"][:32 - 16] for i in held.tolist()]
+    check_against_generation(str(out), tiny_family["math"], behaviour, prompts, 16)
 
 
 def test_document_prefixes_come_from_the_cache_on_a_rerun(documents_output, tiny_family, tmp_path, caplog):
