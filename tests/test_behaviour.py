@@ -1,8 +1,10 @@
 """The report's behaviour figures (docs/quality.md, "Behaviour"): greedy continuations of held-out prompts
 compared with the expert's, from the cached states; checked against real ``generate`` calls."""
 
+import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,6 +97,11 @@ def test_an_empty_continuation_is_left_out_and_too_few_prompts_are_no_score():
     assert "leaves room" in judged(None)["not_measured"]
 
 
+def test_the_minimum_is_the_one_docs_quality_states():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "quality.md").read_text()
+    assert f"at least **{MIN_BEHAVIOUR_PROMPTS} scored prompts**" in page and "MIN_BEHAVIOUR_PROMPTS" in page
+
+
 def test_prefixes_are_cut_from_long_held_out_records_only():
     from mergekit_darts.repair.capture.prefixes import held_out_prefixes
     from mergekit_darts.repair.capture.prompts import split_held_out
@@ -110,9 +117,18 @@ def test_prefixes_are_cut_from_long_held_out_records_only():
     assert held_out_prefixes(ids, 0.5, 3, continue_tokens=32, max_positions=32)[1] == []
 
 
+# the offline example's prompt-style calibration file (short questions): every prompt leaves room
+DEMO_PROMPTS = Path(__file__).resolve().parents[1] / "mergekit_darts" / "demo" / "math_prompts.jsonl"
+
+
+def _demo_questions():
+    return [json.loads(line)["question"] for line in DEMO_PROMPTS.read_text().splitlines() if line.strip()]
+
+
 @pytest.fixture(scope="module")
 def continued_output(tiny_family, tmp_path_factory):
-    """The tiny merge repaired (kl, 40 steps) on 10 prompts continued by the expert; half held out."""
+    """The tiny merge repaired (kl, 40 steps) on the 30 prompts of the offline example's math file,
+    continued by the expert; a fifth (6) held out."""
     from mergekit_darts.pipeline import run_surgery
 
     root = tmp_path_factory.mktemp("behaviour")
@@ -120,9 +136,9 @@ def continued_output(tiny_family, tmp_path_factory):
     shutil.copytree(tiny_family["merged"], out)
     config = merge_yaml(tiny_family) + (
         "surgery:\n  rank: 4\n  max_positions: 24\n  steps: 40\n  lr: 0.01\n  loss: kl\n  device: cpu\n"
-        f"  dtype: float32\n  seed: 0\n  held_out: 0.5\n  cache_dir: {root / 'cache'}\n  domains:\n"
+        f"  dtype: float32\n  seed: 0\n  held_out: 0.2\n  cache_dir: {root / 'cache'}\n  domains:\n"
         f"    math:\n      model: {tiny_family['math']}\n"
-        f"      calibration: {{texts: {TEXTS}, samples: 10, continue_tokens: 5}}\n")
+        f"      calibration: {{path: {DEMO_PROMPTS}, field: question, samples: 30, continue_tokens: 5}}\n")
     return str(out), run_surgery(config, str(out))
 
 
@@ -139,16 +155,20 @@ def documents_output(tiny_family, tmp_path_factory):
     root = tmp_path_factory.mktemp("documents")
     out = root / "out"
     shutil.copytree(tiny_family["merged"], out)
-    config = _documents_config(tiny_family, root / "cache")
+    config = _documents_config(tiny_family, root)
     return str(out), run_surgery(config, str(out)), config
 
 
-def _documents_config(family, cache, extra=""):
+def _documents_config(family, root, extra=""):
+    """A document-style calibration file (one record a line, field ``text``) under ``root``, and the config."""
+    docs = Path(root) / "documents.jsonl"
+    docs.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in DOCS))
+    cache = Path(root) / "cache"
     return merge_yaml(family) + (
         f"surgery:\n  rank: 4\n  max_positions: 32\n  steps: 40\n  lr: 0.01\n  loss: kl\n  device: cpu\n{extra}"
         f"  dtype: float32\n  seed: 0\n  held_out: 0.5\n  cache_dir: {cache}\n  domains:\n"
         f"    math:\n      model: {family['math']}\n"
-        f"      calibration: {{texts: {DOCS}, samples: 10, continue_tokens: 16}}\n")
+        f"      calibration: {{path: {docs}, samples: 10, continue_tokens: 16}}\n")
 
 
 def _greedy(model, ids, budget, eos):
@@ -202,8 +222,10 @@ def test_report_figures_equal_real_generation(continued_output, tiny_family):
     behaviour = report["domains"]["math"]["behaviour"]
     assert behaviour["prefixes"] == 0 and behaviour["prompts"] >= MIN_BEHAVIOUR_PROMPTS
     tokenizer = AutoTokenizer.from_pretrained(out)
-    _, held = split_held_out(len(TEXTS), 0.5, 0)
-    prompts = [tokenizer(TEXTS[i])["input_ids"] for i in held.tolist()]
+    questions = _demo_questions()
+    _, held = split_held_out(len(questions), 0.2, 0)
+    assert held.numel() == 6
+    prompts = [tokenizer(questions[i])["input_ids"] for i in held.tolist()]
     check_against_generation(out, tiny_family["math"], behaviour, prompts, 5)
 
 
@@ -259,7 +281,7 @@ def test_document_prefixes_with_depth_equal_real_generation(tiny_family, tmp_pat
 
     out = tmp_path / "out"
     shutil.copytree(tiny_family["merged"], out)
-    config = _documents_config(tiny_family, tmp_path / "cache", "  depth: 1\n  depth_rank: 2\n")
+    config = _documents_config(tiny_family, tmp_path, "  depth: 1\n  depth_rank: 2\n")
     behaviour = run_surgery(config, str(out))["domains"]["math"]["behaviour"]
     assert behaviour["prefixes"] == 5
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -288,8 +310,6 @@ def test_document_prefixes_come_from_the_cache_on_a_rerun(documents_output, tiny
 def test_an_expert_that_ends_every_prompt_at_once_gets_no_score(tiny_family, tmp_path):
     """An expert whose every token is a stop token writes nothing: the report counts the empty
     continuations and says why there is no figure; the table and the card show it."""
-    import json
-
     from mergekit_darts.pipeline import run_surgery
     from mergekit_darts.repair.report.table import render_report
 
