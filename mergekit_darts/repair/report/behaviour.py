@@ -124,7 +124,8 @@ def judged(measured: Optional[Dict[str, Any]], min_prompts: int = MIN_BEHAVIOUR_
     ``min_prompts`` prompts with a continuation are no score; they become ``not_measured`` with the
     reason, and the counts stay beside it."""
     if measured is None:
-        return not_measured("no held-out prompt leaves room for a continuation (max_positions)")
+        return not_measured("no held-out prompt leaves room for a continuation under max_positions, and no prefix "
+                            "of one was captured (continue_tokens must be below max_positions)")
     prompts, empty = measured["prompts"], measured["empty_continuations"]
     if prompts >= min_prompts:
         return measured
@@ -184,7 +185,8 @@ def domain_behaviour(data, rows: torch.Tensor, corrected: torch.Tensor, module, 
     if getattr(data, "prompt_lengths", None) is None:
         return not_measured("the capture has no prompt lengths")
     head = module.head_correction if module.head_rank > 0 else None
-    input_ids, mask, prompt_lengths, merged, after, expert, used = measured_rows(data, rows, corrected, prefix_corrected)
+    input_ids, mask, prompt_lengths, merged, after, expert, used = measured_rows(data, rows, corrected,
+                                                                                 prefix_corrected)
     measured = held_out_behaviour(input_ids, mask, prompt_lengths, merged, after, expert, merged_head.float(),
                                   data.expert_head.float(), budget=continue_tokens, max_positions=max_positions,
                                   head_correction=head, chunk_size=chunk_size)
