@@ -116,6 +116,9 @@ def _baseline_lines(by_domain: dict) -> list:
 def _behaviour_cell(behaviour: Optional[dict]) -> str:
     """Exact-match share and top-1 agreement of greedy continuations with the expert's, plain merge →
     corrected (docs/quality.md, Behaviour)."""
+    if behaviour and "not_measured" in behaviour and "prompts" in behaviour:  # too few prompts: no score
+        return (f"not measured ({behaviour['prompts']} prompts with a continuation, "
+                f"{behaviour.get('empty_continuations', 0)} the expert ended at once)")
     if not behaviour or "before" not in behaviour:
         return "–"
     before, after = behaviour["before"], behaviour["after"]

@@ -19,6 +19,7 @@ from mergekit_darts.repair.capture.context import CaptureContext
 from mergekit_darts.repair.capture.forward import (continue_prompts, forward_hidden, generation_settings, pad_rows,
                                                    stop_ids)
 from mergekit_darts.repair.capture.models import ModelSlot, resolve_model_dir
+from mergekit_darts.repair.capture.prefixes import prefix_specs
 from mergekit_darts.repair.capture.prompts import Prompts, check_expert, tokenize_prompts
 from mergekit_darts.repair.capture.synthesize import add_synthesized, writer_slot
 
@@ -48,6 +49,11 @@ class CapturedDomain:
     # only ever train); None: all the user's. ``synthesis``: what was sampled, kept and rejected
     real_prompts: Optional[int] = None
     synthesis: Optional[Dict[str, int]] = None
+    # continue_tokens > 0: prefixes of the held-out records that leave no room for a whole continuation,
+    # each + the expert's greedy continuation (capture/prefixes.py); ``prefix_records``: each one's
+    # record (row). Only the behaviour figures read them; they are never training rows.
+    prefixes: Optional["CapturedDomain"] = None
+    prefix_records: Optional[torch.LongTensor] = None
 
 
 @dataclass
@@ -99,36 +105,26 @@ def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec], dep
     for spec in specs:  # prompts written by another model than the expert: before any expert loads
         if spec.synthesize and spec.synthesize_writer is not None:
             add_synthesized(writer_slot(ctx, spec), prompts[spec.name], spec, ctx)
+    # held-out prefixes are cut from the user's prompts (never from synthesized ones, which only train)
+    prefixes = prefix_specs(specs, prompts, ctx.max_positions)
+    prompts.update({prefix.name: cut for prefix, cut, _ in prefixes.values()})
+    passes = list(specs) + [prefix for prefix, _, _ in prefixes.values()]  # the same model loads capture them
     merged = ctx.slot(ctx.merged_dir)
     experts_first = any(spec.continue_tokens > 0 or spec.continue_samples > 0 or spec.synthesize > 0 for spec in specs)
     if experts_first:
-        expert_out = _capture_experts(specs, expert_dirs, prompts, ctx)
-        merged_out = _capture_merged(merged, specs, {n: out[0] for n, out in expert_out.items()}, ctx, depth)
+        expert_out = _capture_experts(passes, expert_dirs, prompts, ctx)
+        merged_out = _capture_merged(merged, passes, {n: out[0] for n, out in expert_out.items()}, ctx, depth)
     else:
-        merged_out = _capture_merged(merged, specs, {n: p.ids for n, p in prompts.items()}, ctx, depth)
-        expert_out = _capture_experts(specs, expert_dirs, prompts, ctx)
+        merged_out = _capture_merged(merged, passes, {n: p.ids for n, p in prompts.items()}, ctx, depth)
+        expert_out = _capture_experts(passes, expert_dirs, prompts, ctx)
 
     domains = {}
     for spec in specs:
-        ids, expert_hidden, entropy, expert_head = expert_out[spec.name]
-        input_ids, mask = pad_rows(ids, ctx.pad_id)
-        domains[spec.name] = CapturedDomain(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=torch.arange(input_ids.shape[1]).expand_as(input_ids).clone(),
-            merged_hidden=merged_out["hidden"][spec.name],
-            expert_hidden=expert_hidden,
-            expert_entropy=entropy,
-            expert_head=expert_head,
-            truncated=prompts[spec.name].truncated,
-            skipped=prompts[spec.name].skipped,
-            groups=torch.arange(len(ids)) % len(prompts[spec.name].ids) if spec.continue_samples else None,
-            # one entry per row: a sampled row repeats its prompt's length
-            prompt_lengths=torch.tensor([len(row) for row in prompts[spec.name].ids], dtype=torch.long)
-            .repeat(len(ids) // len(prompts[spec.name].ids)),
-            real_prompts=prompts[spec.name].real, synthesis=prompts[spec.name].synthesis,
-            block_inputs=merged_out["blocks"].get(spec.name),
-        )
+        domains[spec.name] = _captured(spec, prompts[spec.name], expert_out[spec.name], merged_out, ctx.pad_id)
+        if spec.name in prefixes:
+            prefix, cut, records = prefixes[spec.name]
+            domains[spec.name].prefixes = _captured(prefix, cut, expert_out[prefix.name], merged_out, ctx.pad_id)
+            domains[spec.name].prefix_records = records
         if depth:
             check_replay(spec.name, merged_out["tail"], domains[spec.name], ctx.batch_size, ctx.dtype)
     if depth:
@@ -138,6 +134,28 @@ def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec], dep
                         "router) and get no adapter, so expert routing is unchanged; adapters go on %s",
                         depth, ", ".join(coverage["not_adapted"]), ", ".join(coverage["adapted"]))
     return CaptureResult(domains=domains, merged_head=merged_out["head"], tail=merged_out["tail"])
+
+
+def _captured(spec: DomainCaptureSpec, prompts: Prompts, expert_out, merged_out: dict, pad_id: int) -> CapturedDomain:
+    ids, expert_hidden, entropy, expert_head = expert_out
+    input_ids, mask = pad_rows(ids, pad_id)
+    return CapturedDomain(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=torch.arange(input_ids.shape[1]).expand_as(input_ids).clone(),
+        merged_hidden=merged_out["hidden"][spec.name],
+        expert_hidden=expert_hidden,
+        expert_entropy=entropy,
+        expert_head=expert_head,
+        truncated=prompts.truncated,
+        skipped=prompts.skipped,
+        groups=torch.arange(len(ids)) % len(prompts.ids) if spec.continue_samples else None,
+        # one entry per row: a sampled row repeats its prompt's length
+        prompt_lengths=torch.tensor([len(row) for row in prompts.ids], dtype=torch.long)
+        .repeat(len(ids) // len(prompts.ids)),
+        real_prompts=prompts.real, synthesis=prompts.synthesis,
+        block_inputs=merged_out["blocks"].get(spec.name),
+    )
 
 
 def capture_merged_prompts(ctx: CaptureContext, spec: DomainCaptureSpec, depth: int = 0) -> CapturedDomain:

@@ -26,7 +26,10 @@ def _sig(value: Optional[float]) -> str:
 
 
 def behaviour_cells(behaviour: Optional[Dict[str, Any]]):
-    """(prompts, exact match, top-1 agreement, first diff), each 'plain merge -> corrected'."""
+    """(prompts, exact match, top-1 agreement, first diff), each 'plain merge -> corrected'; figures
+    taken on too few prompts are ``not_measured`` with their counts (docs/quality.md, Behaviour)."""
+    if row_counted(behaviour):
+        return [str(behaviour["prompts"]), "not measured", "-", "-"]
     if not behaviour or "before" not in behaviour:
         return ["-", "-", "-", "-"]
     before, after = behaviour["before"], behaviour["after"]
@@ -66,6 +69,11 @@ def baseline_lines(report: Dict[str, Any]) -> List[str]:
             *format_table(rows)]
 
 
+def row_counted(behaviour: Optional[Dict[str, Any]]) -> bool:
+    """Behaviour figures counted but not shown as a score (too few prompts, or none continued)."""
+    return bool(behaviour) and "not_measured" in behaviour and "prompts" in behaviour
+
+
 def summary_table(report: Dict[str, Any]) -> str:
     """A plain-text table (Table 3 style) per domain: bias before/after surgery, and the KL to the
     expert's next-token distribution before/after with the share of it closed; "measured on" says
@@ -100,6 +108,8 @@ def summary_table(report: Dict[str, Any]) -> str:
 
     notes = [f"verdict {name}: {verdict_note(entry['verdict'])}" for name, entry in report.get("domains", {}).items()
              if entry.get("verdict")]
+    notes += [f"behaviour {name}: not measured: {entry['behaviour']['not_measured']}"
+              for name, entry in report.get("domains", {}).items() if row_counted(entry.get("behaviour"))]
     lines += [""] + notes if notes else []
     settings = report.get("surgery") or {}
     if settings:

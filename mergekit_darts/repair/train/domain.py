@@ -128,10 +128,11 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
                                        data.expert_head.to(device), merged_head.to(device), surgery.kl_chunk_size)
     if not kl:
         entry["held_out_loss"] = held_out_objective(surgery.loss, held, corrected)
+    prefix_corrected = corrected_prefixes(measured, data, tail is not None, device)
     module.cpu()  # the greedy-agreement figures on the cpu, where the cached states are
     entry["behaviour"] = domain_behaviour(data, eval_idx, corrected, module, merged_head.cpu(),
                                           surgery.domains[name].calibration.continue_tokens,
-                                          surgery.max_positions, surgery.kl_chunk_size)
+                                          surgery.max_positions, surgery.kl_chunk_size, prefix_corrected)
     entry["verdict"] = domain_verdict(entry, surgery.loss)
     if deltas is not None:  # what the same adapters give untrained, straight from the weights
         entry["baseline"] = measure_extract(make_module(from_deltas=True).eval(), deltas, data, eval_idx, held,
@@ -141,6 +142,17 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         entry["baseline"] = {"not_measured": "the data-free extract (expert − merge) needs block adapters "
                                              "(depth > 0) or a head correction (head_rank > 0)"}
     return TrainedDomain(module=module, entry=entry)
+
+
+def corrected_prefixes(measured, data, with_tail: bool, device) -> Optional[torch.Tensor]:
+    """The corrected states of ``data.prefixes`` (held-out records cut to leave room for a
+    continuation, capture/prefixes.py), or None when the capture has none."""
+    prefixes = getattr(data, "prefixes", None)
+    if prefixes is None:
+        return None
+    with torch.no_grad():
+        inputs = prefixes.block_inputs if with_tail else prefixes.merged_hidden
+        return measured(inputs.float().to(device), prefixes.position_ids.to(device)).cpu()
 
 
 def weight_deltas(name, data, merged_head, surgery, settings, tail, merged_dir, device):
@@ -174,8 +186,9 @@ def measure_extract(extract, deltas, data, eval_idx, held, merged_head, surgery,
         corrected = extract(held["input"].float().to(device), held["position_ids"].to(device)).cpu()
     kl = held_out_kl(extract, {k: v.to(device) for k, v in held.items()}, data.expert_head.to(device),
                      merged_head.to(device), surgery.kl_chunk_size)
+    prefix_corrected = corrected_prefixes(extract, data, hasattr(extract, "surgery"), device)
     surgery_module = (extract.surgery if hasattr(extract, "surgery") else extract).cpu()
     behaviour = domain_behaviour(data, eval_idx, corrected, surgery_module, merged_head.cpu(), continue_tokens,
-                                 surgery.max_positions, surgery.kl_chunk_size)
+                                 surgery.max_positions, surgery.kl_chunk_size, prefix_corrected)
     return {"kind": "data-free extract (truncated SVD of expert − merge)", **deltas.describe(),
             "held_out_kl": kl, "behaviour": behaviour, "seconds": round(time.perf_counter() - started, 3)}
