@@ -288,7 +288,9 @@ def test_verdict_and_default_follow_the_objectives_held_out_metric():
     entry = _entry(loss_before_after=(0.010, 0.012))  # L1 bias better, the mse objective worse
     entry["verdict"] = domain_verdict(entry, "mse")
     assert entry["verdict"]["status"] == "worse" and entry["verdict"]["decided_by"] == "held-out mse loss"
-    assert [d["metric"] for d in entry["verdict"]["disagreeing"]] == ["KL to expert"]
+    # every other figure that got better is named (issue 35 item 2), not only the KL
+    assert [d["metric"] for d in entry["verdict"]["disagreeing"]] == ["KL to expert", "L1 bias",
+                                                                      "entropy-weighted L1 bias"]
     report = {"domains": {"math": entry}}
     assert choose_default(report, "math", allow_worse=False) == "none"
     kl_only = _entry(kl=(0.5, 0.6), bias=(0.3, 0.1))  # loss: kl decides on the KL, whatever the bias did
@@ -305,6 +307,22 @@ def test_a_metric_that_disagrees_with_the_verdict_is_reported():
     report = {"domains": {"math": entry}}
     assert "  verdict improved: decided by held-out ewl1 loss; KL to expert got worse" in summary_lines(report)
     assert "verdict math: decided by held-out ewl1 loss; KL to expert got worse" in summary_table(report)
+
+
+def test_every_measured_figure_that_moved_the_other_way_is_listed():
+    """Issue 35 item 2: a kl run whose L1 bias and greedy exact match got worse had ``disagreeing: []``."""
+    from mergekit_darts.repair.report.verdict import domain_verdict, verdict_note
+
+    entry = _entry(kl=(0.5, 0.3), bias=(0.20, 0.26))
+    entry["behaviour"] = {"prompts": 10, "before": {"exact_match": 0.9, "top1_agreement": 0.95, "first_disagreement": 7.0},
+                          "after": {"exact_match": 0.8, "top1_agreement": 0.97, "first_disagreement": 7.0}}
+    verdict = domain_verdict(entry, "kl")
+    assert verdict["status"] == "improved"
+    assert [(d["metric"], d["status"]) for d in verdict["disagreeing"]] == [
+        ("L1 bias", "worse"), ("entropy-weighted L1 bias", "worse"), ("greedy exact match", "worse")]
+    assert "greedy exact match got worse" in verdict_note(verdict)  # top-1 rose, first disagreement tied: not listed
+    worse = domain_verdict({**entry, "held_out_kl": {"before": 0.3, "after": 0.5}}, "kl")
+    assert worse["status"] == "worse" and [d["metric"] for d in worse["disagreeing"]] == ["top-1 agreement"]
 
 
 def test_without_held_out_records_numbers_say_training_records(tiny_family, merged_copy, tmp_path):

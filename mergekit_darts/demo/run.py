@@ -34,6 +34,10 @@ ABLATIONS = [
     ("darts_kl_linear", "DARTS + KL, linear (foldable)", {"method": "darts", "loss": "kl", "content": "linear"}),
     ("standard_kl_linear", "Standard + KL, linear (bakes exactly)",
      {"method": "standard", "loss": "kl", "content": "linear"}),
+    # what a user could pick instead of training: the truncated SVD of expert - merge of every block
+    # linear at rank 8, no data (mergekit-extract-lora's LoRA on the blocks; adapter_init: delta, steps 0)
+    ("extract_all8", "Data-free extract, rank 8 in every block (no training)",
+     {"loss": "kl", "depth": "all", "depth_rank": 8, "adapter_init": "delta", "steps": 0}),
 ]
 
 

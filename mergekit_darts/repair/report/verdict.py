@@ -36,19 +36,45 @@ def _status(before: Any, after: Any) -> str:
     return "worse" if after > before else "improved"
 
 
+def measured_figures(entry: Dict[str, Any]) -> List[Tuple[str, Any, Any, bool]]:
+    """(label, before, after, higher is better) of every held-out figure the report measures: the KL to
+    the expert, the L1 and entropy-weighted L1 bias, and the behaviour figures where they were measured."""
+    kl, bias = entry.get("held_out_kl") or {}, entry.get("bias") or {}
+    figures = [("KL to expert", kl.get("before"), kl.get("after"), False),
+               ("L1 bias", bias.get("mean_before"), bias.get("mean_after"), False),
+               ("entropy-weighted L1 bias", bias.get("mean_before_weighted"), bias.get("mean_after_weighted"), False)]
+    behaviour = entry.get("behaviour") or {}
+    if "before" in behaviour and "after" in behaviour:
+        figures += [(label, behaviour["before"].get(key), behaviour["after"].get(key), True)
+                    for label, key in (("greedy exact match", "exact_match"), ("top-1 agreement", "top1_agreement"),
+                                       ("first disagreement", "first_disagreement"))]
+    return [figure for figure in figures if figure[1] is not None and figure[2] is not None]
+
+
+def _moved(before: Any, after: Any, higher_is_better: bool) -> Optional[str]:
+    """"improved" / "worse" / None (unchanged or not finite)."""
+    if not (_finite(before) and _finite(after)) or after == before:
+        return None
+    return "improved" if (after > before) == higher_is_better else "worse"
+
+
 def domain_verdict(entry: Dict[str, Any], loss: str) -> Dict[str, Any]:
     """``{"status": "improved" | "worse" | "non_finite", "decided_by", "before", "after", "measured_on",
     "disagreeing"}``: whether the correction beat the plain merge on the metric that decides
-    (``verdict_metrics``); ``disagreeing`` lists the other metrics that moved the other way."""
+    (``verdict_metrics``); ``disagreeing`` lists every other measured figure (``verdict_metrics``'
+    others and ``measured_figures``) that moved the other way."""
     (label, before, after), *others = verdict_metrics(entry, loss)
     status = _status(before, after)
     held_out = entry.get("bias_split", "held_out") == "held_out"
     verdict = {"status": status, "decided_by": f"{'held-out' if held_out else 'training-records'} {label}",
                "metric": label, "before": before, "after": after,
                "measured_on": "held-out records" if held_out else "training records"}
-    verdict["disagreeing"] = [
-        {"metric": other, "before": b, "after": a, "status": _status(b, a)}
-        for other, b, a in others if status != "non_finite" and _status(b, a) not in (status, "non_finite")]
+    figures = [(other, b, a, False) for other, b, a in others]
+    figures += [figure for figure in measured_figures(entry) if figure[0] not in {label, *(o[0] for o in others)}]
+    moved = [(other, b, a, _moved(b, a, higher)) for other, b, a, higher in figures]
+    verdict["disagreeing"] = [{"metric": other, "before": b, "after": a, "status": direction}
+                              for other, b, a, direction in moved
+                              if status != "non_finite" and direction is not None and direction != status]
     return verdict
 
 
