@@ -15,9 +15,10 @@ import textwrap
 
 import pytest
 
-from sandbox_checks import RIGHT, TAG, attack, spy, watched  # noqa: F401 (watched is a fixture)
+from sandbox_checks import RIGHT, TAG, attack, every_mode, spy, watched  # noqa: F401 (fixtures)
 
 from mergekit_darts.evaluation.lmeval_tasks import utils
+from mergekit_darts.evaluation.sandbox import check_function
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,6 +53,32 @@ def test_closure_cell_forge_scores_zero_through_the_real_scorer(watched):
     in_a_call = "def f(x):\n" + textwrap.indent(FORGE, "    ")
     watched.check(attack(in_a_call))
     assert not watched.check(attack(FORGE + "def f(x):\n    return 0\n")).passed
+
+
+def test_control_flow_exceptions_cannot_end_the_tests_iteration(watched, every_mode):
+    """StopIteration raised as itself ended ``map`` early: all() of nothing checked passed."""
+    tests = ["assert all(map(lambda ab: add(*ab) == sum(ab), [(2, 2), (3, 5)]))\n",  # the issue's case
+             "assert next(iter(lambda: add(1, 1), 0), 'end') == 2\n",
+             "import asyncio\nasync def gen():\n    yield add(1, 1)\n"
+             "async def first():\n    return [v async for v in gen()]\nassert asyncio.run(first()) == [2]\n"]
+
+    def check(body, test):
+        return watched.check(check_function(f"def add(a, b):\n    {body}\n", "add", test, check=None,
+                                            launch=every_mode))
+
+    for test in tests:
+        assert check("return a + b", test).passed
+        assert check("return a - b", test).status == "failed"
+        for raised in ("StopIteration", "StopAsyncIteration", "StopIteration(4)"):
+            result = check(f"raise {raised}", test)
+            assert result.status == "failed" and "CandidateError" in result.output, (raised, test, result)
+    for raised in ("GeneratorExit", "KeyboardInterrupt", "SystemExit(0)"):
+        result = check(f"raise {raised}", tests[0])
+        assert result.status == "error" and raised.split("(")[0] in result.output, (raised, result)
+    # the builtin exceptions tests expect still arrive as themselves
+    expected = "try:\n    add(1, 2)\nexcept ValueError as error:\n    assert str(error) == 'no'\nelse:\n    assert False\n"
+    assert check_function("def add(a, b):\n    raise ValueError('no')\n", "add", expected, check=None,
+                          launch=every_mode).passed
 
 
 def test_exit_0_after_printing_anything_is_a_fail(watched):

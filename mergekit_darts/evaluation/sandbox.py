@@ -31,6 +31,10 @@ from mergekit_darts.evaluation.sandbox_wire import WireError, decode, encode
 
 logger = logging.getLogger(__name__)
 _UNCATCHABLE = ("SystemExit", "KeyboardInterrupt", "GeneratorExit")  # would end a real check program
+# raised as themselves they would end an iteration of the tests' own code (``map``, ``next(it, d)``,
+# ``iter(f, sentinel)``, an async for) instead of failing it: a function raising StopIteration passed
+# ``all(map(lambda ab: f(*ab) == ..., cases))``. They cross as a CandidateError.
+_CONTROL_FLOW = (StopIteration, StopAsyncIteration)
 
 
 @dataclass
@@ -43,7 +47,8 @@ class ExecutionResult:
 
 
 class CandidateError(Exception):
-    """The program's function raised an exception that is not a builtin one."""
+    """The program's function raised an exception that is not a builtin one, or one that would steer
+    the tests' control flow (StopIteration, StopAsyncIteration)."""
 
 
 class SandboxFailure(BaseException):
@@ -122,7 +127,7 @@ class Judge:
         if name in _UNCATCHABLE:
             return self.fail("error", f"{self.entry_point} raised {name}")
         kind = getattr(builtins, name, None)
-        if isinstance(kind, type) and issubclass(kind, Exception):
+        if isinstance(kind, type) and issubclass(kind, Exception) and not issubclass(kind, _CONTROL_FLOW):
             try:
                 return kind(message)
             except Exception:  # e.g. UnicodeDecodeError wants five arguments
