@@ -199,12 +199,15 @@ def test_a_non_root_evaluator_gets_the_namespaces_mode():
         fork = {DOUBLE_FORK!r}
         fill = {FILL_SHM!r}
         reach = {REACH!r}
-        seen = []
-        spy = 'import __main__\\nvalue = f(1)\\n__main__.seen.append(value)\\nassert value == "never"\\n'
+        import tempfile
+        spied = tempfile.mkdtemp()  # the tests run in the judge's process: what they saw comes back in files
+        spy = ('import json, os\\nvalue = f(1)\\nout = open(os.path.join(%r, str(len(os.listdir(%r)))), "w")\\n'
+               'json.dump(value, out)\\nout.close()\\nassert value == "never"\\n') % (spied, spied)
         def attack(program, tests='assert f(1) == 2', **kwargs):
             return sandbox.check_function(program, 'f', tests, check=None, **kwargs)
         results = [attack('def f(x):\\n    return x + 1\\n'), attack(fork, spy), attack(fill, spy, disk_mb=16),
                    attack(reach, spy.replace('f(1)', 'f(PORT)'))]
+        seen = [json.load(open(os.path.join(spied, str(i)))) for i in range(len(os.listdir(spied)))]
         print(json.dumps({{"mode": sandbox.chosen_launch().name, "tokens": tokens, "seen": seen, "pid": os.getpid(),
                           "results": [[r.status, r.survivors, r.output] for r in results]}}))
         """)
