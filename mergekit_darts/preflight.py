@@ -3,8 +3,8 @@
 mergekit's own validation comes first (schema, merge method, the models' architectures); then the
 output folder (writable, switchable, none of the inputs), the calibration sources (file exists,
 field exists, enough records, texts that tokenize), every expert's config and tokenizer against the
-model the merge will produce, the chat template and the split sizes that lr choice and early
-stopping need (docs/reliability.md lists them).
+model the merge will produce, the chat template, what ``synthesize`` would cost and the split sizes
+that lr choice and early stopping need (docs/reliability.md lists them).
 """
 
 import logging
@@ -247,6 +247,28 @@ def check_selection_prompts(surgery: SurgeryConfig, prompts: Dict[str, int]) -> 
                 f"choose on; give more samples, raise surgery.validation, or remove {key}")
 
 
+# calibration.synthesize is bounded by what it costs: up to MAX_SAMPLES (20) expert samples per requested
+# prompt, each kept one answered and captured like a user's. 100 per training prompt is 9x what the
+# documented runs use (450 from 40); 100 000 in all keeps the sampling's lists and the capture in memory.
+SYNTHESIZE_PER_PROMPT = 100
+MAX_SYNTHESIZE = 100_000
+
+
+def check_synthesis_cost(surgery: SurgeryConfig, prompts: Dict[str, int]) -> None:
+    """``synthesize: 10000000`` on 8 prompts grew to 4.9 GB with no output: refused before the merge."""
+    from mergekit_darts.repair.capture.synthesize import MAX_SAMPLES
+
+    for name, count in prompts.items():
+        requested = surgery.domains[name].calibration.synthesize
+        train, _ = _split_sizes(count, surgery.held_out)
+        limit = min(MAX_SYNTHESIZE, SYNTHESIZE_PER_PROMPT * train)
+        if requested > limit:
+            raise SurgeryConfigError(
+                f"surgery.domains.{name}.calibration.synthesize: {requested} prompts from {train} training prompt(s) "
+                f"would take up to {MAX_SAMPLES * requested} expert samples; at most {SYNTHESIZE_PER_PROMPT} per "
+                f"training prompt and {MAX_SYNTHESIZE} in all ({limit} here): lower it or give more calibration prompts")
+
+
 def check_chat_templates(surgery: SurgeryConfig, texts: Dict[str, List[str]], tokenizer,
                          template_from_merge: bool = False) -> Dict[str, List[str]]:
     """``chat_template: true`` needs a tokenizer with a chat template: rendered now with the merged
@@ -310,7 +332,9 @@ def _check_texts(surgery: SurgeryConfig, texts, tokenizer, template_from_merge: 
     texts = truncate_texts(surgery, texts, tokenizer)
     rendered = check_chat_templates(surgery, texts, tokenizer, template_from_merge)
     plain = {name: not domain.calibration.chat_template for name, domain in surgery.domains.items()}
-    check_selection_prompts(surgery, check_texts_usable(rendered, tokenizer, plain))
+    usable = check_texts_usable(rendered, tokenizer, plain)
+    check_synthesis_cost(surgery, usable)
+    check_selection_prompts(surgery, usable)
     return texts
 
 

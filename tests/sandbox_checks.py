@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mergekit_darts.evaluation import sandbox, sandbox_run
+from mergekit_darts.evaluation import sandbox, sandbox_launch, sandbox_run
 from mergekit_darts.evaluation.sandbox import check_function
 
 TAG = "darts-attack-%d" % os.getpid()
@@ -81,3 +81,32 @@ def spy(tmp_path, argument="1"):
     path = str(tmp_path / "seen.json")
     tests = f"import json\nvalue = f({argument})\nwith open({path!r}, 'w') as out:\n    json.dump(value, out)\nassert value == 'never'\n"
     return tests, lambda: json.loads(open(path).read())
+
+
+# every launch mode, with the settings that force it here (docs/sandbox.md has what each guarantees)
+MODES = {"namespaces+user": {}, "user": {"UNSHARE": "/nonexistent/unshare"}, "namespaces": {},
+         "namespaces-uid0": {"UID_RANGE": None}, "plain": {"UNSHARE": "/nonexistent/unshare", "UID_RANGE": None}}
+_PROBED = {}
+
+
+def launch_mode(name, **settings):
+    """The first launch called ``name`` that works here with ``settings`` applied, else skip."""
+    key = (name, tuple(sorted(settings.items())))
+    if key not in _PROBED:
+        saved = {setting: getattr(sandbox_launch, setting) for setting in settings}
+        for setting, value in settings.items():
+            setattr(sandbox_launch, setting, value)
+        try:
+            _PROBED[key] = next((c for c in sandbox_launch.candidates() if c.name == name and sandbox._works(c)), None)
+        finally:
+            for setting, value in saved.items():
+                setattr(sandbox_launch, setting, value)
+    if _PROBED[key] is None:
+        pytest.skip(f"launch mode {name!r} is not available on this machine")
+    return _PROBED[key]
+
+
+@pytest.fixture(params=list(MODES))
+def every_mode(request):
+    """Each launch mode this machine permits (the others are skipped, saying which)."""
+    return launch_mode(request.param, **MODES[request.param])

@@ -133,6 +133,31 @@ def test_expert_generation_config_is_not_applied_and_what_is_used_is_keyed(tiny_
     assert os.path.realpath(expert) in [os.path.realpath(p) for p in loads]  # the expert continues again
 
 
+def test_an_expert_edited_in_place_with_its_times_restored_is_captured_again(tiny_family, tmp_path):
+    """Same size, same inode, mtime set back (what ``touch -d`` / ``rsync -t --inplace`` do): the
+    weights' hash memo must not serve the old expert's states (issue 34: it was keyed on mtime only)."""
+    expert = tmp_path / "expert"
+    shutil.copytree(tiny_family["math"], expert)
+    spec = [DomainCaptureSpec("math", str(expert), QUICK_TEXTS["math"])]
+    first = capture(tiny_family["merged"], tmp_path / "cache", spec).domains["math"].expert_hidden
+    weights = expert / "model.safetensors"
+    before = os.stat(weights)
+    with safe_open(str(weights), "pt") as handle:
+        metadata, tensors = handle.metadata(), {key: handle.get_tensor(key) for key in handle.keys()}
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"] * 2
+    save_file(tensors, str(tmp_path / "edited.safetensors"), metadata=metadata)
+    edited = (tmp_path / "edited.safetensors").read_bytes()
+    assert len(edited) == before.st_size
+    with open(weights, "r+b") as handle:  # in place: same inode
+        handle.write(edited)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(weights)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    again = capture(tiny_family["merged"], tmp_path / "cache", spec).domains["math"].expert_hidden
+    fresh = capture(tiny_family["merged"], tmp_path / "fresh", spec).domains["math"].expert_hidden
+    assert not torch.equal(again, first) and torch.equal(again, fresh)
+
+
 def test_tampered_cache_entry_with_finite_values_is_recaptured(tiny_family, tmp_path, caplog):
     spec = [DomainCaptureSpec("math", tiny_family["math"], QUICK_TEXTS["math"])]
     first = capture(tiny_family["merged"], tmp_path / "cache", spec)

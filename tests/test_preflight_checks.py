@@ -138,6 +138,33 @@ def test_synthesize_writer_is_checked_before_the_merge(tiny_family, odd_experts,
     assert message.startswith("surgery.domains.math.calibration.synthesize_writer") and "cannot load" in message
 
 
+def test_synthesize_beyond_what_it_would_cost_is_refused_before_the_merge(tiny_family, tmp_path):
+    """Issue 34: ``synthesize: 10000000`` (the schema's maximum) on 8 prompts passed the checks, then grew
+    to 4.9 GB with no output. 8 prompts, held_out 0.2: 6 train, so at most 600."""
+    import yaml
+
+    from mergekit_darts.config import SurgeryConfig
+    from mergekit_darts.preflight import check_synthesis_cost
+
+    texts = [f"question {i} : what is {i} plus {i} ?" for i in range(8)]
+
+    def domains(synthesize):
+        return ["    math:", f"      model: {tiny_family['math']}",
+                f"      calibration: {{texts: {texts}, synthesize: {synthesize}}}"]
+
+    message = _fails_before_merge(_block(tiny_family, tmp_path, domains_yaml=domains(10_000_000)), tmp_path / "out")
+    assert message.startswith("surgery.domains.math.calibration.synthesize: 10000000 prompts from 6 training "), message
+    assert "(600 here)" in message and "lower it or give more calibration prompts" in message
+    for synthesize, refused in ((600, False), (601, True), (0, False)):
+        source = yaml.safe_load(_block(tiny_family, tmp_path, domains_yaml=domains(synthesize)))["surgery"]
+        surgery = SurgeryConfig.model_validate(source)
+        if refused:
+            with pytest.raises(DartsError, match="calibration.synthesize: 601 prompts"):
+                check_synthesis_cost(surgery, {"math": 8})
+        else:
+            check_synthesis_cost(surgery, {"math": 8})
+
+
 def _calibration_file(tmp_path, values):
     path = tmp_path / "calib.jsonl"
     path.write_text("".join(json.dumps({"question": value}) + "\n" for value in values))

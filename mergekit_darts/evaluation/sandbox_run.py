@@ -69,7 +69,7 @@ class RunFailure(Exception):
         self.status, self.detail = status, detail
 
 
-def _pipe():
+def high_pipe():
     """A pipe whose ends are >= 3 (so that they never land on a child's stdin/stdout/stderr)."""
     ends = []
     for fd in os.pipe():
@@ -81,7 +81,7 @@ def _pipe():
     return ends
 
 
-def _ready(read=(), write=(), timeout: float = 0.0) -> set:
+def ready_fds(read=(), write=(), timeout: float = 0.0) -> set:
     """The descriptors among ``read``/``write`` that are ready within ``timeout`` seconds (poll: no
     FD_SETSIZE limit, unlike select, in an evaluator with many open files)."""
     poller = select.poll()
@@ -92,7 +92,7 @@ def _ready(read=(), write=(), timeout: float = 0.0) -> set:
     return {fd for fd, _ in poller.poll(max(0.0, timeout) * 1000)}
 
 
-def _close(fd: Optional[int]) -> None:
+def close_fd(fd: Optional[int]) -> None:
     if fd is not None:
         try:
             os.close(fd)
@@ -127,8 +127,8 @@ class Run:
 
     def start(self) -> None:
         self.deadline = time.monotonic() + self.timeout
-        request_read, self._req = _pipe()
-        self._rep, reply_write = _pipe()
+        request_read, self._req = high_pipe()
+        self._rep, reply_write = high_pipe()
         limits = {"memory_mb": self.memory_mb, "cpu_s": int(self.timeout) + 1, "file_bytes": FILE_BYTES,
                   "open_files": OPEN_FILES}
         prefix = self.launch.program_command(self.uid)
@@ -141,8 +141,8 @@ class Run:
         except OSError as error:
             raise RunFailure("error", f"could not start the sandbox: {error}") from None
         finally:
-            _close(request_read)
-            _close(reply_write)
+            close_fd(request_read)
+            close_fd(reply_write)
         os.set_blocking(self._req, False)
         os.set_blocking(self._rep, False)
 
@@ -155,8 +155,8 @@ class Run:
             cwd=self._workdir, env=self._env(self._workdir), start_new_session=True)
 
     def _start_in_namespaces(self, command, request_read, reply_write) -> None:
-        self._status, status_write = _pipe()
-        lifeline_read, self._lifeline = _pipe()
+        self._status, status_write = high_pipe()
+        lifeline_read, self._lifeline = high_pipe()
         config = {"fds": {"request": request_read, "reply": reply_write, "status": status_write,
                           "lifeline": lifeline_read},
                   "command": command, "env": self._env("/tmp"), "disk_mb": self.disk_mb, "pid_max": PID_MAX}
@@ -167,8 +167,8 @@ class Run:
                 env=self._env("/tmp"), start_new_session=True,
                 pass_fds=(request_read, reply_write, status_write, lifeline_read))
         finally:
-            _close(status_write)
-            _close(lifeline_read)
+            close_fd(status_write)
+            close_fd(lifeline_read)
         message = self._status_message(self.deadline, ("ready", "error"))
         if message is None or message[0] != "ready":
             reason = (message[1] if message else "") or self.output().strip() or "no answer from its init"
@@ -190,7 +190,7 @@ class Run:
             for message in self._status_lines():
                 if message[0] in kinds:
                     return message
-            ready = _ready([self._status], timeout=deadline - time.monotonic())
+            ready = ready_fds([self._status], timeout=deadline - time.monotonic())
             if not ready or not self._read_status():
                 return None
 
@@ -214,13 +214,13 @@ class Run:
     def _program_gone(self) -> bool:
         """Whether the init reported the program's exit (read when its status pipe has news)."""
         if not self.exited and self._status is not None:
-            ready = _ready([self._status])
+            ready = ready_fds([self._status])
             if ready and self._read_status():
                 self._status_lines()
         return self.exited
 
     # --------------------------------------------------------------------------------------- messages
-    def _remaining(self) -> float:
+    def remaining(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise RunFailure("timeout", f"timed out after {self.timeout:g}s")
@@ -230,9 +230,13 @@ class Run:
         return [self._status] if self._status is not None and not self.exited else []
 
     def send(self, message: dict) -> None:
-        data = memoryview(sandbox_wire.pack_for_child(message))
+        self.send_frame(sandbox_wire.pack_for_child(message))
+
+    def send_frame(self, frame: bytes) -> None:
+        """A whole frame (header included) of trusted marshal data to the program."""
+        data = memoryview(frame)
         while data:
-            ready = _ready(self._watch(), [self._req], self._remaining())
+            ready = ready_fds(self._watch(), [self._req], self.remaining())
             if self._req not in ready:
                 if self._program_gone():
                     raise RunFailure("error", "the program ended without answering")
@@ -247,17 +251,24 @@ class Run:
     def recv(self) -> dict:
         """The program's next message; ``RunFailure`` on end of file, timeout or a malformed frame."""
         try:
-            length = sandbox_wire.frame_length(self._take(sandbox_wire.HEADER_SIZE))
-            return sandbox_wire.unpack(self._take(length))
+            return sandbox_wire.unpack(self.recv_payload())
         except sandbox_wire.WireError as error:
             raise RunFailure("error", f"protocol violation: {error}") from None
 
+    def recv_payload(self) -> bytes:
+        """The program's next frame, unparsed (what the judge's process decodes); bounded in size."""
+        try:
+            length = sandbox_wire.frame_length(self._take(sandbox_wire.HEADER_SIZE))
+        except sandbox_wire.WireError as error:
+            raise RunFailure("error", f"protocol violation: {error}") from None
+        return self._take(length)
+
     def _take(self, size: int) -> bytes:
         while len(self._buffer) < size:
-            ready = _ready([self._rep, *self._watch()], timeout=self._remaining())
+            ready = ready_fds([self._rep, *self._watch()], timeout=self.remaining())
             if self._rep not in ready:
                 # the program exited: what it wrote before is still read first (it is in the pipe)
-                if self._program_gone() and not _ready([self._rep]):
+                if self._program_gone() and not ready_fds([self._rep]):
                     raise RunFailure("error", "the program ended without answering")
                 continue
             try:
@@ -275,8 +286,8 @@ class Run:
     # -------------------------------------------------------------------------------------------- end
     def end(self) -> int:
         """Stop everything of the run; returns how many of its processes had to be killed afterwards."""
-        _close(self._req)
-        _close(self._lifeline)  # the init kills its namespace, reaps it and exits
+        close_fd(self._req)
+        close_fd(self._lifeline)  # the init kills its namespace, reaps it and exits
         self._req = self._lifeline = None
         if self.process is not None:
             if self.launch.namespaces:
@@ -301,7 +312,7 @@ class Run:
         survivors = self._kill_survivors()
         self._remove_leftovers()
         for fd in (self._rep, self._status, self._ns_fd):
-            _close(fd)
+            close_fd(fd)
         self._rep = self._status = self._ns_fd = None
         return survivors
 

@@ -4,10 +4,11 @@ Both sides use this file: the trusted judge imports it, and its source is sent i
 child (``python -I -S``), so it imports only the standard library, and only what is cheap to start
 (no ``json``, whose import costs a program start ~25 ms): the judge's frames to the child are
 ``marshal`` (the child only reads data from the trusted side that way), the child's frames to the
-judge are JSON written by ``dump_json`` and read by the judge with ``json.loads``; it never
+judge are JSON written by ``dump_json`` and read by the judge with the C JSON scanner; it never
 unmarshals anything from the child. What the child sends is decoded by ``decode``, which builds only plain data -- None, bool, int, float, complex, str, bytes,
 bytearray and list / tuple / set / frozenset / dict / range of those (and an iterator over a list:
-a function may return a generator) -- within bounds on size, nesting and item count. Anything
+a function may return a generator) -- within bounds on size, nesting and item count (a range counts
+as many items as it holds). Anything
 else is a ``WireError``: the judge then fails the run. Nothing the child sends is ever executed,
 unpickled or given methods of its own (exact types only, so no ``__eq__`` of the program's).
 """
@@ -112,7 +113,12 @@ def decode(tree, callback=None):
         if tag == "r" and len(v) == 3:
             start, stop, step = (dec(p, depth + 1) for p in v)
             if type(start) is int and type(stop) is int and type(step) is int:
-                return range(start, stop, step)
+                made = range(start, stop, step)
+                # three ints on the wire, but as many items as a list once the tests iterate it
+                budget[0] -= (made[-1] - made[0]) // step + 1 if made else 0
+                if budget[0] < 0:
+                    raise WireError("a range over the %d-item bound" % MAX_ITEMS)
+                return made
         raise WireError("malformed %r node" % tag)
 
     try:
@@ -123,7 +129,7 @@ def decode(tree, callback=None):
         raise WireError("malformed value: %s: %s" % (type(error).__name__, error)) from None
 
 
-def _framed(payload):
+def framed(payload):
     if len(payload) > MAX_FRAME:
         raise WireError("message of %d bytes is over the %d-byte limit" % (len(payload), MAX_FRAME))
     return len(payload).to_bytes(HEADER_SIZE, "big") + payload
@@ -131,7 +137,7 @@ def _framed(payload):
 
 def pack_for_child(message):
     """A frame from the judge (trusted data of plain types) to the child."""
-    return _framed(marshal.dumps(message))
+    return framed(marshal.dumps(message))
 
 
 def pack(message):
@@ -141,7 +147,7 @@ def pack(message):
         dump_json(message, parts.append, 0)
     except RecursionError:
         raise WireError("nested too deeply") from None
-    return _framed("".join(parts).encode("ascii"))
+    return framed("".join(parts).encode("ascii"))
 
 
 _FLOATS = {float("inf"): "Infinity", float("-inf"): "-Infinity"}
@@ -189,12 +195,36 @@ def frame_length(header):
     return length
 
 
+class _JsonSettings:
+    """What the C JSON scanner reads: strict strings, no hooks (``json.loads``' defaults)."""
+    strict = True
+    object_hook = object_pairs_hook = None
+    parse_float, parse_int = float, int
+    parse_constant = staticmethod({"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}.__getitem__)
+
+
+def _loads(text):
+    """``json.loads(text)`` with the C scanner alone: importing ``json`` (``re``, ``enum``) costs a
+    process start ~30 ms, and the judge's process parses every reply of the program."""
+    try:
+        from _json import make_scanner
+    except ImportError:  # pragma: no cover - CPython always has the accelerator
+        import json
+
+        return json.loads(text)
+    try:
+        value, end = make_scanner(_JsonSettings())(text, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
+    if end != len(text):
+        raise ValueError("extra data after the JSON value")
+    return value
+
+
 def unpack(payload):
     """The message (a dict) in a frame from the child (the judge's side); ``WireError`` for anything else."""
-    import json
-
     try:
-        message = json.loads(payload.decode("ascii"))
+        message = _loads(payload.decode("ascii"))
     except (ValueError, RecursionError, MemoryError) as error:
         raise WireError("not a JSON frame: %s" % type(error).__name__) from None
     if type(message) is not dict:
@@ -215,16 +245,16 @@ def write_all(fd, data):
 
 def read_frame(fd):
     """Blocking read of one frame from the judge (the child's side: trusted marshal data); None at EOF."""
-    header = _read_exactly(fd, HEADER_SIZE)
+    header = read_exactly(fd, HEADER_SIZE)
     if header is None:
         return None
-    payload = _read_exactly(fd, frame_length(header))
+    payload = read_exactly(fd, frame_length(header))
     if payload is None:
         return None
     return marshal.loads(payload)
 
 
-def _read_exactly(fd, size):
+def read_exactly(fd, size):
     chunks, left = [], size
     while left:
         chunk = os.read(fd, min(left, 1 << 16))

@@ -1,8 +1,8 @@
 """On-disk cache of captured tensors: one safetensors file per (model, domain) entry.
 
 Entries are keyed by content: a hash of the model's weight files (``FileHashes``: computed once per
-file and memoized per (device, inode, size, mtime), so hard links of one merge and a moved copy share
-it), its config, the merged tokenizer, the calibration token ids, the generation settings actually
+file and memoized per (device, inode, size, mtime, ctime), so hard links of one merge share it),
+its config, the merged tokenizer, the calibration token ids, the generation settings actually
 used, the dtype and CAPTURE_VERSION. They are written atomically with a checksum of their tensors,
 and verified (key, checksum, tensor names, shapes, dtypes, finite values) before use: a corrupt entry
 is one warning line and a recompute, never trusted.
@@ -33,8 +33,10 @@ _TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json"
 
 class FileHashes:
     """sha256 of files' contents, memoized in ``<cache dir>/file_hashes.json`` per (device, inode,
-    size, mtime_ns): a file is read once, its hard links and a moved copy (same inode) are not read
-    again, and rewriting it (new mtime) makes it be read again."""
+    size, mtime_ns, ctime_ns): a file is read once and its hard links are not read again; rewriting
+    it makes it be read again. The ctime is in the key because the mtime can be set back
+    (``os.utime``, ``touch -d``, ``rsync -t --inplace``) after an in-place edit of the same size;
+    the ctime cannot be set from user space, and a new link or a rename changes it too (one more read)."""
 
     def __init__(self, cache_dir: str):
         self.path = os.path.join(cache_dir, HASH_MEMO)
@@ -51,7 +53,7 @@ class FileHashes:
 
     def digest(self, path: str) -> str:
         stat = os.stat(path)
-        stamp = f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
+        stamp = f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
         memo = self._load()
         if stamp not in memo:
             sha = hashlib.sha256()

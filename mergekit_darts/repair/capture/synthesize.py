@@ -27,6 +27,7 @@ import random
 from typing import Dict, List, Sequence, Tuple
 
 import torch
+from tqdm.auto import tqdm
 
 from mergekit_darts.repair.capture.forward import continue_prompts, pad_rows, stop_ids as model_stop_ids
 from mergekit_darts.repair.capture.prompts import Prompts, split_held_out
@@ -144,12 +145,16 @@ def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], cou
     rng = random.Random(seed)
     kept: List[List[int]] = []
     sampled = 0
+    # kept prompts over all rounds (each round's sampling has its own bar from continue_prompts)
+    bar = tqdm(total=count, desc=f"{desc}: prompts kept", unit="prompt", disable=not ctx.progress)
     for round_ in range(MAX_ROUNDS):
         if len(kept) >= count or sampled >= MAX_SAMPLES * count:
             break
         # twice what is missing, more once the acceptance rate is known (at most 8x)
         rate = len(kept) / sampled if sampled else 0.5
         draws = min(8 * count, math.ceil((count - len(kept)) / max(rate, 1 / 8) * 1.2))
+        LOG.info("%s: round %d of at most %d: sampling %d prompt(s); %d of %d kept so far (%d samples examined)",
+                 desc, round_ + 1, MAX_ROUNDS, draws, len(kept), count, sampled)
         chosen = [train[rng.randrange(len(train))] for _ in range(draws)]
         prefixes = []
         for row in chosen:
@@ -166,6 +171,8 @@ def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], cou
             candidate = checks.complete(sample, len(prefix), row, stopped, stop_ids)
             if checks.keep(candidate):
                 kept.append(candidate)
+                bar.update(1)
+    bar.close()
     stats = {"requested": count, "kept": len(kept), "sampled": sampled, **checks.rejected}
     if len(kept) < count:
         LOG.warning("%s: the expert wrote %d acceptable prompt(s) of the %d asked for in %d samples (rejected: %s)",
