@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 from mergekit_darts.config import SurgeryConfig, SurgeryConfigError, format_validation_error
 from mergekit_darts.errors import DeviceError, FormatError, MergeConfigError, first_line
+from mergekit_darts.model_paths import check_local_model, check_merge_model_paths
 from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
                                                surgery_inputs)
 from mergekit_darts.settings import RunSettings
@@ -40,6 +41,8 @@ def check_merge_config(merge_part: dict, options, merge_config=None):
             merge_config = MergeConfiguration.model_validate(merge_part)
     except Exception as error:  # noqa: BLE001 - pydantic errors and mergekit's RuntimeErrors alike
         raise merge_config_error(error) from None
+    # a mistyped local folder is one line naming the field, not a Hub lookup (docs/reliability.md)
+    check_merge_model_paths(merge_part)
     names = sorted(method.spec.name for method in merge_methods.registered_methods())
     if merge_config.merge_method not in names:
         raise MergeConfigError(f"config.merge_method: mergekit has no merge method {merge_config.merge_method!r}; "
@@ -54,6 +57,7 @@ def check_merge_config(merge_part: dict, options, merge_config=None):
 def _load_config(path: str, where: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
+    check_local_model(path, where)  # "no such directory", not transformers' Hub-id error
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as error:  # transformers raises OSError/ValueError/HTTP errors alike
