@@ -10,7 +10,6 @@ import copy
 import logging
 import os
 import sys
-import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
@@ -18,7 +17,7 @@ import yaml
 from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
                                    split_yaml)
 from mergekit_darts.console import before_after
-from mergekit_darts.errors import io_error
+from mergekit_darts.errors import io_error, yaml_error_line
 from mergekit_darts.repair.train.domain import train_domain
 from mergekit_darts.repair.train.split import real_prompt_count, split_held_out
 from mergekit_darts.settings import RunSettings
@@ -31,8 +30,7 @@ def read_config_source(config_source: str) -> Tuple[Dict[str, Any], Any]:
     try:
         return split_yaml(config_source)
     except yaml.YAMLError as error:
-        detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        raise SurgeryConfigError(f"config: not valid YAML: {detail}") from None
+        raise SurgeryConfigError(yaml_error_line(error)) from None
 
 
 def parse_config_source(
@@ -369,14 +367,14 @@ def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], 
     from mergekit_darts.output.export import export_surgery
     from mergekit_darts.repair.report.plot import plot_bias
 
-    with tempfile.TemporaryDirectory() as tmp:
-        plot_path = os.path.join(tmp, "darts_bias.png")
-        extra = {}
+    def draw(path: str) -> None:  # in the export's own staging folder inside out_path (never $TMPDIR)
         try:
-            plot_bias(report, plot_path)
-            extra["darts_bias.png"] = plot_path
+            plot_bias(report, path)
         except Exception as error:  # a plot must never cost the user their surgery
             LOG.warning("could not draw darts_bias.png: %s", error)
-        export_surgery(out_path, modules, {name: d.model for name, d in surgery.domains.items()},
-                       default_domain or surgery.active_domain, loss=surgery.loss, report=report,
-                       extra_files=extra, router=router)
+            if os.path.exists(path):
+                os.remove(path)
+
+    export_surgery(out_path, modules, {name: d.model for name, d in surgery.domains.items()},
+                   default_domain or surgery.active_domain, loss=surgery.loss, report=report,
+                   extra_files={"darts_bias.png": draw}, router=router)

@@ -80,6 +80,16 @@ def _check_calibration(surgery: SurgeryConfig, seed: int) -> Dict[str, List[str]
     }
 
 
+def _from_preset(surgery: SurgeryConfig, field: str) -> str:
+    """" (set by preset: best)" when the preset supplies this value: the user may never have written the key."""
+    from mergekit_darts.config import PRESETS
+
+    preset = surgery.preset
+    if preset is None or PRESETS[preset].get(field) != getattr(surgery, field):
+        return ""
+    return f" (set by preset: {preset})"
+
+
 def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust_remote_code: bool,
                    check_vocab: bool = True) -> None:
     from mergekit_darts.output.layout import plain_architecture
@@ -89,11 +99,13 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
     except FormatError as error:
         raise SurgeryConfigError(f"surgery: the merged model ({reference_name}): {error}") from None
     hidden = reference.hidden_size
-    for field in ("rank", "head_rank"):
+    ranks = ("rank", "head_rank") + (("depth_rank",) if surgery.depth != 0 else ())  # block adapters too
+    for field in ranks:
         if getattr(surgery, field) > hidden:
             raise SurgeryConfigError(
-                f"surgery.{field}: {getattr(surgery, field)} exceeds the merged model's hidden size {hidden}; "
-                "a rank above the hidden size adds parameters but no capacity"
+                f"surgery.{field}: {getattr(surgery, field)}{_from_preset(surgery, field)} exceeds the merged model's "
+                f"hidden size {hidden}; a rank above the hidden size adds parameters but no capacity"
+                + (f" (write {field}: {hidden} or less to keep the rest of the preset)" if _from_preset(surgery, field) else "")
             )
     layers = getattr(reference, "num_hidden_layers", None)
     if isinstance(layers, int) and isinstance(surgery.depth, int) and surgery.depth > layers:
@@ -177,6 +189,10 @@ def check_tokenizers(surgery: SurgeryConfig, reference_path: str, trust_remote_c
             checked.append((f"surgery.domains.{name}.calibration.synthesize_writer", repr(writer), writer))
         for where, what, path in checked:
             other = _load_tokenizer(path, trust_remote_code)
+            if other is None and where.endswith("synthesize_writer"):  # it writes with its own tokenizer
+                raise SurgeryConfigError(
+                    f"{where}: no tokenizer can be loaded from {path!r}; the writer generates prompts with its own "
+                    "tokenizer: add its tokenizer files, or use a model that has them (e.g. the merge's base model)")
             if other is None:
                 continue
             other = other.get_vocab()

@@ -135,7 +135,7 @@ def test_synthesize_writer_is_checked_before_the_merge(tiny_family, odd_experts,
     message = _fails_before_merge(_with_writer(tiny_family, tmp_path, odd_experts["shuffled"]), tmp_path / "out")
     assert message.startswith("surgery.domains.math.calibration.synthesize_writer") and "tokenizer" in message
     message = _fails_before_merge(_with_writer(tiny_family, tmp_path, tmp_path / "nowhere"), tmp_path / "out")
-    assert message.startswith("surgery.domains.math.calibration.synthesize_writer") and "cannot load" in message
+    assert message.startswith("surgery.domains.math.calibration.synthesize_writer: no such directory"), message
 
 
 def _calibration_file(tmp_path, values):
@@ -318,6 +318,15 @@ LATE_FAILURES = {  # issue 25 item 6 (and 2, 11): each used to pass these checks
         "surgery: the merged model"),
     "depth beyond the layer count": (lambda s, p, t, b: s.replace("  domains:", "  depth: 3\n  domains:"),
                                      "surgery.depth: 3 exceeds the merged model's 2 decoder layers"),
+    # issue 35 item 7: a block adapter rank beyond the hidden size (was accepted, then both domains got worse),
+    # a preset's rank named as the preset's, a writer without tokenizer files (failed after the merge)
+    "depth_rank beyond the hidden size": (lambda s, p, t, b: s.replace("  domains:", "  depth: 1\n  depth_rank: 999\n  domains:"),
+                                          "surgery.depth_rank: 999 exceeds the merged model's hidden size"),
+    "preset best on a small model": (lambda s, p, t, b: s.replace("  rank: 4\n", "  preset: best\n").replace("  lr: 0.01\n", ""),
+                                     "surgery.rank: 64 (set by preset: best) exceeds the merged model's hidden size"),
+    "synthesize_writer without tokenizer files": (
+        lambda s, p, t, b: _with_writer(p, t, b["no tokenizer"]),
+        "surgery.domains.math.calibration.synthesize_writer: no tokenizer can be loaded from"),
     "lr 1e30": (lambda s, p, t, b: s.replace("lr: 0.01", "lr: 1.0e30"), "surgery.lr: Input should be less than"),
     "lr_candidates with too few prompts": (
         lambda s, p, t, b: s.replace("lr: 0.01", "lr_candidates: [0.01, 0.1]"), "surgery.lr_candidates: domain math has 2"),

@@ -402,3 +402,82 @@ def test_the_demo_says_what_it_will_do_before_it_starts(tmp_path, monkeypatch):
     assert "1. reuse a tiny Llama base" in again[1] and "2.4 min" in again[-1]
     assert any("an earlier demo's results" in line for line in again)
     assert all(len(line) <= 100 for line in first + again)
+
+
+# --- issue 35 item 7: what the adversarial round found --------------------------------------
+
+def test_info_on_a_broken_report_names_the_file(darts_dir, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(darts_dir, tmp_path / "out")
+    (copy / "darts_report.json").write_text('{"domains": ')
+    result = _cli(["info", str(copy)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"Error: {copy / 'darts_report.json'}: not valid JSON" in result.output, result.output
+
+
+def test_compare_refuses_zero_seeds_before_copying_anything(tiny_family, tmp_path):
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "config.json").write_text("{}")
+    result = _cli(["compare", str(tmp_path / "cfg.yml"), str(merged), "--seeds", "0"])
+    assert result.exit_code == 2 and "--seeds" in result.output and "0 is not in the range" in result.output
+    assert sorted(os.listdir(tmp_path)) == ["merged"]  # no scratch copy was started
+
+
+def test_a_full_disk_during_a_copy_names_the_destination(tmp_path, monkeypatch):
+    """shutil's copy error names the source first (the packaged modeling_darts.py): the full disk is the destination's."""
+    import errno
+    import shutil
+
+    from mergekit_darts.errors import io_error
+
+    source, dest = tmp_path / "modeling_darts.py", tmp_path / "out" / "modeling_darts.py"
+    source.write_text("x" * 10_000)
+    dest.parent.mkdir()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "sendfile", full)
+    with pytest.raises(OSError) as raised:
+        shutil.copyfile(source, dest)
+    message = str(io_error(raised.value, "surgery"))
+    assert message.startswith(f"surgery: {dest}: No space left on device") and str(source) not in message, message
+
+
+def test_the_bias_plot_is_drawn_inside_the_output_folder_not_in_tmpdir(tiny_family, tmp_path, monkeypatch):
+    """A SIGKILL during the export used to leave $TMPDIR/tmp*/darts_bias.png that nothing cleaned: the plot
+    is now drawn in the export's staging folder inside the output, which the next export removes."""
+    from helpers import quick_surgery_output
+    from mergekit_darts.repair.report import plot
+
+    drawn = []
+
+    def fake_plot(report, path):
+        drawn.append(path)
+        with open(path, "wb") as handle:
+            handle.write(b"png")
+
+    monkeypatch.setattr(plot, "plot_bias", fake_plot)
+    out = quick_surgery_output(tiny_family, tmp_path / "out", tmp_path / "cache")
+    assert len(drawn) == 1 and os.path.dirname(drawn[0]).startswith(os.path.join(out, ".darts-staging-")), drawn
+    assert open(os.path.join(out, "darts_bias.png"), "rb").read() == b"png"
+    assert not [n for n in os.listdir(out) if n.startswith(".darts-staging-")]
+
+
+def test_plain_mergekit_yaml_reports_yaml_syntax_errors_and_lists_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_DARTS_DISABLE"}
+    cases = {"syntax.yml": ("merge_method: linear\nmodels: [a, b\n", "Error: config: not valid YAML: while parsing a "
+                            "flow sequence, expected ',' or ']', but got '<stream end>' (line 3, column 1)"),
+             "list.yml": ("- model: a\n- model: b\n", "Error: config: the file holds a list of 2 item(s), not a mapping")}
+    for name, (text, expected) in cases.items():
+        (tmp_path / name).write_text(text)
+        result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), name, "out"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**env, "HF_HUB_OFFLINE": "1"})
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines()[-1].startswith(expected), result.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
