@@ -201,7 +201,7 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
                      texts: Optional[Dict[str, List[str]]] = None) -> dict:
     """capture → train each domain → export on a merged directory. Atomic: on failure ``out_path``
     stays a plain merge. ``texts``: each domain's calibration texts as the pre-merge checks loaded them."""
-    surgery = resolve_depth(surgery, out_path, settings.trust_remote_code)
+    surgery = resolve_from_model(surgery, out_path, settings.trust_remote_code)
     ctx = capture_context(out_path, surgery, settings)
     captured = capture_step(out_path, surgery, settings, texts, ctx=ctx)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
@@ -225,15 +225,24 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     return report
 
 
-def resolve_depth(surgery: SurgeryConfig, model_dir: str, trust_remote_code: bool = False) -> SurgeryConfig:
-    """``depth: all`` made the merged model's number of decoder layers (every other setting as is)."""
-    if surgery.depth != "all":
+def resolve_from_model(surgery: SurgeryConfig, model_dir: str, trust_remote_code: bool = False) -> SurgeryConfig:
+    """The settings that depend on the merged model: ``depth: all`` made its number of decoder layers,
+    and an unwritten ``max_positions`` its context length when that is below the default 512 (a
+    default the user never wrote must not exceed the model; a written value is kept, with a warning)."""
+    wants_positions = "max_positions" not in surgery.model_fields_set
+    if surgery.depth != "all" and not wants_positions:
         return surgery
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return surgery.model_copy(update={"depth": int(config.num_hidden_layers)})
+    update = {}
+    if surgery.depth == "all":
+        update["depth"] = int(config.num_hidden_layers)
+    context = getattr(config, "max_position_embeddings", None)
+    if wants_positions and isinstance(context, int) and 0 < context < surgery.max_positions:
+        update["max_positions"] = context
+    return surgery.model_copy(update=update) if update else surgery
 
 
 def _split_label(entry: dict) -> str:

@@ -112,7 +112,9 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
         raise SurgeryConfigError(
             f"surgery.depth: {surgery.depth} exceeds the merged model's {layers} decoder layers ({reference_name}); "
             f"use at most depth: {layers}")
-    if surgery.max_positions > getattr(reference, "max_position_embeddings", surgery.max_positions):
+    # only a written value: the default is the model's context when that is shorter (pipeline.resolve_from_model)
+    if "max_positions" in surgery.model_fields_set and \
+            surgery.max_positions > getattr(reference, "max_position_embeddings", surgery.max_positions):
         LOG.warning("surgery.max_positions=%d exceeds the model's max_position_embeddings=%d",
                     surgery.max_positions, reference.max_position_embeddings)
     for name, domain in surgery.domains.items():

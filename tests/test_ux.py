@@ -223,6 +223,13 @@ def test_report_table_includes_held_out_kl_and_fits_100_columns(tmp_path):
     math_row = [line for line in lines if line.startswith("math")]
     assert math_row[0].split()[-1] == "-"  # the verdict closes the training table
     assert math_row[1].split()[-3:] == ["0.5", "0.125", "75.0%"]
+    # issue 35 item 6: the behaviour columns are explained only where they are shown
+    assert "exact match" not in table and "greedy continuation" not in table
+    report = _report(tmp_path, "kl", 0.25)
+    figures = {"exact_match": 0.5, "top1_agreement": 0.75, "first_disagreement": 3.0}
+    report["domains"]["math"]["behaviour"] = {"prompts": 2, "before": figures, "after": figures}
+    shown = summary_table(report)
+    assert "exact match" in shown and "greedy continuation is the expert's" in shown
     # the widest case: long domain names, depth, a preset
     report = _report(tmp_path, "kl", 0.25)
     report["domains"] = {"instruct": report["domains"]["math"], "mathematics": report["domains"]["code"]}
@@ -322,6 +329,13 @@ def test_info_prints_the_router_readably_with_sample_sizes():
     lines = info_lines(info)
     assert "router held-out accuracy: math 100.0% (4/4), code 0.0% (0/1); pooled 80.0% (4/5)" in lines
     assert "router confusion code: math=0 code=0 none=1" in lines
+    # issue 35 item 6: a router measured on one record says it is not expected to route well
+    assert lines[-1] == ("router note: measured on math 4, code 1 record(s) only; a router trained on this few "
+                         "prompts is not expected to route well (docs/routing.md)")
+    many = {**router, "confusion": {"math": {"math": 40}, "code": {"code": 30}}}
+    assert not any(line.startswith("router note") for line in info_lines({**info, "router": many}))
+    assert "depth_rank: - (no block adapters: depth 0)" in info_lines({**info, "depth": 0, "depth_rank": 0})
+    assert "depth_rank: 8" in info_lines({**info, "depth": 2, "depth_rank": 8})
     assert "content: relu" in lines and "parameters: 4,742 added (17.832% of the merged model's 26,592)" in lines
     assert not any("{" in line or "mean_accuracy" in line for line in lines)  # no raw dicts, no "mean"
     assert all(len(line) <= 160 for line in lines)
@@ -481,3 +495,34 @@ def test_plain_mergekit_yaml_reports_yaml_syntax_errors_and_lists_in_one_line(tm
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
         assert result.stderr.strip().splitlines()[-1].startswith(expected), result.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+# --- issue 35 item 6: figures that confused -------------------------------------------------
+
+def test_max_positions_defaults_to_the_models_context_and_warns_only_when_written(tiny_family, tmp_path, caplog):
+    """`max_positions: 512` warned "exceeds the model's max_position_embeddings" for a default the user never
+    wrote (even with method: standard); the default is now min(512, the model's context), and only a
+    written value beyond it warns."""
+    import shutil
+
+    from helpers import merge_yaml
+    from mergekit_darts.pipeline import run_surgery
+
+    merged = shutil.copytree(tiny_family["merged"], tmp_path / "merged")
+    context = json.loads((merged / "config.json").read_text())["max_position_embeddings"]
+    assert context < 512
+    cfg = merge_yaml(tiny_family) + (
+        "surgery:\n  method: standard\n  rank: 2\n  steps: 2\n  device: cpu\n  dtype: float32\n"
+        f"  cache_dir: {tmp_path / 'cache'}\n  domains:\n    math:\n      model: {tiny_family['math']}\n"
+        "      calibration: {texts: ['what is 1 plus 2 ?', 'add 3 and 4'], samples: 2}\n")
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        report = run_surgery(cfg, str(merged))
+    assert "max_position_embeddings" not in caplog.text, caplog.text
+    assert report["surgery"]["max_positions"] == context
+    assert json.loads((merged / "config.json").read_text())["darts"]["max_positions"] == context
+    caplog.clear()
+    written = cfg.replace("  rank: 2\n", "  rank: 2\n  max_positions: 512\n").replace("  steps: 2\n", "  steps: 0\n")
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        report = run_surgery(written, str(merged))
+    assert f"surgery.max_positions=512 exceeds the model's max_position_embeddings={context}" in caplog.text
+    assert report["surgery"]["max_positions"] == 512
