@@ -78,8 +78,7 @@ def merge_and_repair(config_source: str, out_path: str, run_merge: Callable, opt
         say(f"{out_path} holds {earlier}; it is replaced when this run has finished (and kept if it fails)")
     report = _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery,
                                       settings, texts)
-    if not settings.quiet:
-        print_summary(report)
+    print_summary(report)  # the results, also with --quiet (which hides progress only)
     say(f"repaired merge written to {out_path}")
     return report
 
@@ -202,6 +201,8 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     """capture → train each domain → export on a merged directory. Atomic: on failure ``out_path``
     stays a plain merge. ``texts``: each domain's calibration texts as the pre-merge checks loaded them."""
     surgery = resolve_from_model(surgery, out_path, settings.trust_remote_code)
+    stage = say if settings.stage_lines else (lambda line: None)  # a log file gets lines, not bars
+    stage(f"capturing hidden states: the merged model and {len(surgery.domains)} expert(s)")
     ctx = capture_context(out_path, surgery, settings)
     captured = capture_step(out_path, surgery, settings, texts, ctx=ctx)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
@@ -215,12 +216,14 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
         modules[name] = trained.module
         report["domains"][name] = trained.entry
         LOG.info("domain %s: %s", name, before_after(trained.entry["bias"], f"{_split_label(trained.entry)} bias"))
+        stage(f"domain {name} trained ({surgery.steps} steps)")
     if captured.tail is not None:
         report["depth"] = captured.tail.coverage()  # which weights of the adapted blocks carry adapters
     router = None
     if surgery.router_enabled:
         router, report["router"] = router_step(out_path, captured, surgery, settings, ctx=ctx)
     default = _checked_default(report, surgery)
+    stage("exporting the corrections" + (" and the router" if router is not None else ""))
     export_step(out_path, surgery, modules, report, router, default_domain=default)
     return report
 
@@ -250,6 +253,11 @@ def _split_label(entry: dict) -> str:
     return "held-out" if entry.get("bias_split", "held_out") == "held_out" else "training-records"
 
 
+def _rounded(value) -> str:
+    """A measured figure as the console prints it (4 significant digits, not 0.20707011222839355)."""
+    return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
 def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
     """The default domain, never silently one that made things worse (docs/reliability.md)."""
     from mergekit_darts.repair.report.verdict import choose_default
@@ -259,7 +267,7 @@ def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
         if verdict["status"] != "improved":
             LOG.warning("domain %s: the correction is %s than the plain merge on %s (%s %s -> %s)", name,
                         "WORSE" if verdict["status"] == "worse" else "NOT FINITE (no better)",
-                        verdict["measured_on"], verdict["metric"], verdict["before"], verdict["after"])
+                        verdict["measured_on"], verdict["metric"], _rounded(verdict["before"]), _rounded(verdict["after"]))
     default = choose_default(report, surgery.active_domain, surgery.allow_worse_default)
     if default != surgery.active_domain:
         LOG.warning("default domain %r is %s; the output loads as the plain merge ('none'). Set "

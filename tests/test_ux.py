@@ -279,6 +279,18 @@ def test_bias_figure_draws_several_variants_without_a_legend_over_data(tmp_path,
     assert all(ax.get_window_extent().y0 > legend_top for ax in axes)
     # a single report (what every surgery writes) still works
     plot_bias(reports["DARTS + KL"], str(tmp_path / "one.png"))
+    # issue 35 item 5: the demo's ten variants with long labels: the legend inside the figure, every
+    # variant in its own colour, none the grey of the "before" curve
+    many = {f"variant {i}: DARTS + EWL1, rank 16, depth all, preset best": _report(tmp_path, "ewl1", 0.1 * (i + 1))
+            for i in range(10)}
+    figures.clear()
+    plot_bias(many, str(tmp_path / "many.png"))
+    fig = figures[0]
+    box, legend = fig.bbox, fig.legends[0].get_window_extent()
+    assert legend.x0 >= box.x0 and legend.x1 <= box.x1 and legend.y0 >= box.y0, (legend, box)
+    assert all(ax.get_window_extent().y0 > legend.y1 for ax in fig.axes)
+    colours = [line.get_color() for line in fig.axes[0].get_lines() if line.get_label().startswith("after ")]
+    assert len(colours) == 10 and len(set(colours)) == 10 and "0.35" not in colours
 
 
 # --- 6. benchmarks never replace the committed results unless asked ---------------------------
@@ -526,3 +538,60 @@ def test_max_positions_defaults_to_the_models_context_and_warns_only_when_writte
         report = run_surgery(written, str(merged))
     assert f"surgery.max_positions=512 exceeds the model's max_position_embeddings={context}" in caplog.text
     assert report["surgery"]["max_positions"] == 512
+
+
+# --- issue 35 item 5: output ----------------------------------------------------------------
+
+def test_surgery_quiet_keeps_the_results_and_a_log_file_gets_lines_not_bars(tiny_family, tmp_path, capfd):
+    """`--quiet` hid the per-domain results and router lines too (its help says "No progress bars"); output
+    that is not a terminal (a log file) got thousands of tqdm updates instead of a line per stage."""
+    import shutil
+
+    from helpers import QUICK_TEXTS, merge_yaml
+
+    merged = str(shutil.copytree(tiny_family["merged"], tmp_path / "merged"))
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(merge_yaml(tiny_family) + (
+        "surgery:\n  rank: 2\n  max_positions: 16\n  steps: 2\n  device: cpu\n  dtype: float32\n"
+        f"  cache_dir: {tmp_path / 'cache'}\n  domains:\n" + "".join(
+            f"    {d}:\n      model: {tiny_family[d]}\n      calibration: {{texts: {QUICK_TEXTS[d]}, samples: 3}}\n"
+            for d in ("math", "code"))))
+    quiet = _cli(["surgery", str(cfg), merged, "--quiet"])
+    assert quiet.exit_code == 0, quiet.output
+    lines = quiet.output.splitlines()
+    assert any(line.startswith("mergekit-darts: math: held-out bias") for line in lines), quiet.output
+    assert any(line.startswith("mergekit-darts: router (") for line in lines), quiet.output
+    assert not any("capturing hidden states" in line for line in lines)
+    logged = _cli(["surgery", str(cfg), merged])  # CliRunner's streams are not terminals, like a log file
+    assert logged.exit_code == 0, logged.output
+    for stage in ("capturing hidden states: the merged model and 2 expert(s)", "domain math trained (2 steps)",
+                  "domain code trained (2 steps)", "exporting the corrections and the router"):
+        assert f"mergekit-darts: {stage}" in logged.output, logged.output
+    assert "\r" not in logged.output and "it/s" not in logged.output + capfd.readouterr().err
+
+
+def test_a_worse_domain_is_warned_with_rounded_figures(caplog):
+    """compare printed `held-out L1 0.20707011222839355 -> ...` for every worse variant."""
+    from mergekit_darts import pipeline
+    from mergekit_darts.config import parse_surgery_block
+
+    surgery = parse_surgery_block({"domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}})
+    verdict = {"status": "worse", "measured_on": "held-out records", "metric": "L1",
+               "before": 0.20707011222839355, "after": 0.2314159265358979}
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        getattr(pipeline, "_checked_default")({"domains": {"math": {"verdict": verdict}}}, surgery)
+    assert "(L1 0.2071 -> 0.2314)" in caplog.text and "0.20707011" not in caplog.text, caplog.text
+
+
+def test_eval_without_the_extra_says_so_before_any_context_warning(tmp_path, monkeypatch, caplog):
+    import sys
+
+    from mergekit_darts.tiny import make_random_model
+
+    model_dir = str(tmp_path / "ctx128")
+    make_random_model(model_dir, seed=0, max_position_embeddings=128)  # would warn: 512 tokens do not fit
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # the [eval] extra not installed
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        with pytest.raises(EvaluationError, match=r"needs the \[eval\] extra"):
+            evaluate(model_dir, "none", ["gsm8k_darts"], limit=1, device="cpu")
+    assert "context of 128 tokens" not in caplog.text, caplog.text

@@ -46,7 +46,9 @@ def plan_lines(workdir: str, quick: bool) -> list:
               help="Where the family, data, merged model and results go (the family is reused).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for data, training and surgery.")
 @click.option("--quick", is_flag=True, help="A reduced run (smaller family, fewer steps and test problems).")
-def demo_command(workdir: str, seed: int, quick: bool):
+@click.option("--quiet", is_flag=True, help="No progress bars (the stage lines and tables are still printed; "
+                                            "bars are off anyway when the output is not a terminal).")
+def demo_command(workdir: str, seed: int, quick: bool, quiet: bool):
     """Train a tiny Llama family (base + math/code/instruct experts) on CPU, merge it with
     mergekit (task arithmetic), repair it with DARTS and the baselines, and print Table 1."""
     import logging
@@ -58,7 +60,9 @@ def demo_command(workdir: str, seed: int, quick: bool):
 
     for line in plan_lines(workdir, quick):
         click.echo(line)
-    result = run_demo(workdir, seed=seed, quick=quick, log=click.echo)
+    from mergekit_darts.settings import stderr_is_terminal
+
+    result = run_demo(workdir, seed=seed, quick=quick, log=click.echo, progress=not quiet and stderr_is_terminal())
     click.echo(f"Results: {os.path.join(os.path.abspath(workdir), 'results.md')} (and results.json, "
                f"darts_bias.png); total {sum(result['timings_s'].values()):.0f}s")
 
