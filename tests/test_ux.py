@@ -323,7 +323,14 @@ def test_license_files_and_paper_citation():
     from mergekit_darts.output.card import card_section
 
     meta = {"method": "darts", "rank": 2, "max_positions": 8, "head_rank": 0, "loss": "ewl1", "domains": {"math": "m"}}
-    assert "arxiv.org/abs/2608.28547" in card_section("LlamaForCausalLM", meta, "math", None, 10, 1000)
+    section = card_section("LlamaForCausalLM", meta, "math", None, 10, 1000)
+    assert "arxiv.org/abs/2608.28547" in section
+    # issue 35 item 3: the card's first lines explain the UNEXPECTED darts.* keys of a load without remote code
+    head = "\n".join(section.splitlines()[:8])
+    assert "trust_remote_code=True" in head and "UNEXPECTED" in head and "docs/loading.md" in head
+    loading = open(os.path.join(REPO, "docs", "loading.md")).read()
+    assert "UNEXPECTED" in loading and "darts.<domain>.*" in loading
+    assert "docs/loading.md#without-trust_remote_code" in open(os.path.join(REPO, "README.md")).read()
 
 
 # --- issue 26: info prints the router readably, accuracies with their sample sizes ------------
