@@ -135,6 +135,22 @@ def routing_accuracy(entry: dict) -> str:
     return ", ".join(parts) + (f"; pooled {share(right, total)}" if len(parts) > 1 else "")
 
 
+# Below this many held-out records in a domain, a routing accuracy says little and the router itself
+# was trained on a handful of prompts (the offline example's code domain has 6, one held out).
+FEW_ROUTER_RECORDS = 10
+
+
+def few_records_note(entry: dict) -> Optional[str]:
+    """A line saying that a router measured on very few records is not expected to route well, or None."""
+    counts = {name: sum(row.values()) for name, row in (entry.get("confusion") or {}).items()}
+    few = {name: count for name, count in counts.items() if count < FEW_ROUTER_RECORDS}
+    if not few:
+        return None
+    listed = ", ".join(f"{name} {count}" for name, count in few.items())
+    return (f"router note: measured on {listed} record(s) only; a router trained on this few prompts is not "
+            "expected to route well (docs/routing.md)")
+
+
 WIDTH = 100  # the widest line a command prints (tables are split, prose wrapped, to fit)
 
 

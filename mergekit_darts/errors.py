@@ -36,6 +36,19 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def yaml_error_line(error: BaseException) -> str:
+    """A PyYAML error as ``config: not valid YAML: <what> (line L, column C)``: what was wrong and where,
+    without the quoted snippet and caret lines of its own text."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None)
+    if mark is None or not problem:
+        detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        return f"config: not valid YAML: {detail}"
+    context = getattr(error, "context", None)
+    return (f"config: not valid YAML: {context + ', ' if context else ''}{problem} "
+            f"(line {mark.line + 1}, column {mark.column + 1})")
+
+
 _DISK_FULL = (28, 27, 122)  # ENOSPC, EFBIG, EDQUOT
 
 
@@ -45,9 +58,10 @@ def io_error(error: BaseException, doing: str) -> "DartsError | None":
     import re
 
     if isinstance(error, OSError):
-        where = error.filename or ""
-        reason = error.strerror or first_line(error)
         full = error.errno in _DISK_FULL
+        # shutil's copies name the source first and the destination second: a full disk is the destination's
+        where = (error.filename2 if full and error.filename2 else error.filename) or ""
+        reason = error.strerror or first_line(error)
     elif type(error).__name__ == "SafetensorError":
         # e.g. "Error while serializing: I/O error: File too large (os error 27)", or with the Rust
         # debug form "IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"

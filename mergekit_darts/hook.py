@@ -58,6 +58,39 @@ def wrap_run_merge(module) -> None:
     setattr(run_merge, _ORIGINAL_ATTR, original)
     module.run_merge = run_merge
     _wrap_config_validation()
+    _wrap_yaml_reading()
+
+
+class _OneLineYaml:
+    """``yaml`` as ``mergekit-yaml``'s module sees it: ``safe_load`` reports a syntax error as one
+    ``Error: config: not valid YAML: ...`` line (as ``mergekit-darts run`` does) instead of a traceback."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def safe_load(self, stream):
+        try:
+            return self._real.safe_load(stream)
+        except self._real.YAMLError as error:
+            if disabled():
+                raise
+            from mergekit_darts.errors import MergeConfigError, to_click_error, yaml_error_line
+
+            raise to_click_error(MergeConfigError(yaml_error_line(error))) from None
+
+
+def _wrap_yaml_reading() -> None:
+    """``mergekit-yaml`` parses the file before anything of ours runs; its module (being imported when
+    ``mergekit.merge`` is, since it imports ``run_merge``) gets the one-line ``yaml``. Nothing else does."""
+    import sys
+
+    module = sys.modules.get("mergekit.scripts.run_yaml")
+    real = getattr(module, "yaml", None)
+    if real is not None and not isinstance(real, _OneLineYaml) and hasattr(real, "YAMLError"):
+        module.yaml = _OneLineYaml(real)
 
 
 def _wrap_config_validation() -> None:
@@ -72,6 +105,13 @@ def _wrap_config_validation() -> None:
         return
 
     def model_validate(cls, obj, *args, **kwargs):
+        if cls is config_class and not disabled() and not isinstance(obj, (dict, config_class)):
+            # a top-level list, scalar or empty file is no mergekit config, plain or not: one line
+            # instead of pydantic's traceback (a YAML syntax error fails before this, in mergekit-yaml)
+            from mergekit_darts.errors import MergeConfigError, to_click_error
+
+            raise to_click_error(MergeConfigError(
+                f"config: the file holds {_kind(obj)}, not a mapping of mergekit keys (merge_method, models, ...)"))
         if cls is not config_class or disabled() or not (isinstance(obj, dict) and "surgery" in obj):
             return original.__func__(cls, obj, *args, **kwargs)
         from mergekit_darts.errors import to_click_error
@@ -84,3 +124,12 @@ def _wrap_config_validation() -> None:
 
     setattr(model_validate, _ORIGINAL_ATTR, original)
     config_class.model_validate = classmethod(model_validate)
+
+
+def _kind(value) -> str:
+    """What a YAML document's top level is, in words."""
+    if value is None:
+        return "nothing (an empty document)"
+    if isinstance(value, list):
+        return f"a list of {len(value)} item(s)"
+    return f"a {type(value).__name__} ({str(value)[:40]!r})"

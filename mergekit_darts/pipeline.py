@@ -10,7 +10,6 @@ import copy
 import logging
 import os
 import sys
-import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
@@ -18,7 +17,7 @@ import yaml
 from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surgery_block, preset_settings,
                                    split_yaml)
 from mergekit_darts.console import before_after
-from mergekit_darts.errors import io_error
+from mergekit_darts.errors import io_error, yaml_error_line
 from mergekit_darts.repair.train.domain import train_domain
 from mergekit_darts.repair.train.split import real_prompt_count, split_held_out
 from mergekit_darts.settings import RunSettings
@@ -31,8 +30,7 @@ def read_config_source(config_source: str) -> Tuple[Dict[str, Any], Any]:
     try:
         return split_yaml(config_source)
     except yaml.YAMLError as error:
-        detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        raise SurgeryConfigError(f"config: not valid YAML: {detail}") from None
+        raise SurgeryConfigError(yaml_error_line(error)) from None
 
 
 def parse_config_source(
@@ -80,8 +78,7 @@ def merge_and_repair(config_source: str, out_path: str, run_merge: Callable, opt
         say(f"{out_path} holds {earlier}; it is replaced when this run has finished (and kept if it fails)")
     report = _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery,
                                       settings, texts)
-    if not settings.quiet:
-        print_summary(report)
+    print_summary(report)  # the results, also with --quiet (which hides progress only)
     say(f"repaired merge written to {out_path}")
     return report
 
@@ -208,7 +205,9 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
                      texts: Optional[Dict[str, List[str]]] = None) -> dict:
     """capture → train each domain → export on a merged directory. Atomic: on failure ``out_path``
     stays a plain merge. ``texts``: each domain's calibration texts as the pre-merge checks loaded them."""
-    surgery = resolve_depth(surgery, out_path, settings.trust_remote_code)
+    surgery = resolve_from_model(surgery, out_path, settings.trust_remote_code)
+    stage = say if settings.stage_lines else (lambda line: None)  # a log file gets lines, not bars
+    stage(f"capturing hidden states: the merged model and {len(surgery.domains)} expert(s)")
     ctx = capture_context(out_path, surgery, settings)
     captured = capture_step(out_path, surgery, settings, texts, ctx=ctx)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
@@ -223,30 +222,46 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
         modules[name] = trained.module
         report["domains"][name] = trained.entry
         LOG.info("domain %s: %s", name, before_after(trained.entry["bias"], f"{_split_label(trained.entry)} bias"))
+        stage(f"domain {name} trained ({surgery.steps} steps)")
     if captured.tail is not None:
         report["depth"] = captured.tail.coverage()  # which weights of the adapted blocks carry adapters
     router = None
     if surgery.router_enabled:
         router, report["router"] = router_step(out_path, captured, surgery, settings, ctx=ctx)
     default = _checked_default(report, surgery)
+    stage("exporting the corrections" + (" and the router" if router is not None else ""))
     export_step(out_path, surgery, modules, report, router, default_domain=default)
     return report
 
 
-def resolve_depth(surgery: SurgeryConfig, model_dir: str, trust_remote_code: bool = False) -> SurgeryConfig:
-    """``depth: all`` made the merged model's number of decoder layers (every other setting as is)."""
-    if surgery.depth != "all":
+def resolve_from_model(surgery: SurgeryConfig, model_dir: str, trust_remote_code: bool = False) -> SurgeryConfig:
+    """The settings that depend on the merged model: ``depth: all`` made its number of decoder layers,
+    and an unwritten ``max_positions`` its context length when that is below the default 512 (a
+    default the user never wrote must not exceed the model; a written value is kept, with a warning)."""
+    wants_positions = "max_positions" not in surgery.model_fields_set
+    if surgery.depth != "all" and not wants_positions:
         return surgery
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return surgery.model_copy(update={"depth": int(config.num_hidden_layers)})
+    update = {}
+    if surgery.depth == "all":
+        update["depth"] = int(config.num_hidden_layers)
+    context = getattr(config, "max_position_embeddings", None)
+    if wants_positions and isinstance(context, int) and 0 < context < surgery.max_positions:
+        update["max_positions"] = context
+    return surgery.model_copy(update=update) if update else surgery
 
 
 def _split_label(entry: dict) -> str:
     """What the numbers were measured on: held-out records, or (held_out: 0, too few records) training ones."""
     return "held-out" if entry.get("bias_split", "held_out") == "held_out" else "training-records"
+
+
+def _rounded(value) -> str:
+    """A measured figure as the console prints it (4 significant digits, not 0.20707011222839355)."""
+    return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
@@ -258,7 +273,7 @@ def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
         if verdict["status"] != "improved":
             LOG.warning("domain %s: the correction is %s than the plain merge on %s (%s %s -> %s)", name,
                         "WORSE" if verdict["status"] == "worse" else "NOT FINITE (no better)",
-                        verdict["measured_on"], verdict["metric"], verdict["before"], verdict["after"])
+                        verdict["measured_on"], verdict["metric"], _rounded(verdict["before"]), _rounded(verdict["after"]))
     default = choose_default(report, surgery.active_domain, surgery.allow_worse_default)
     if default != surgery.active_domain:
         LOG.warning("default domain %r is %s; the output loads as the plain merge ('none'). Set "
@@ -375,14 +390,14 @@ def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], 
     from mergekit_darts.output.export import export_surgery
     from mergekit_darts.repair.report.plot import plot_bias
 
-    with tempfile.TemporaryDirectory() as tmp:
-        plot_path = os.path.join(tmp, "darts_bias.png")
-        extra = {}
+    def draw(path: str) -> None:  # in the export's own staging folder inside out_path (never $TMPDIR)
         try:
-            plot_bias(report, plot_path)
-            extra["darts_bias.png"] = plot_path
+            plot_bias(report, path)
         except Exception as error:  # a plot must never cost the user their surgery
             LOG.warning("could not draw darts_bias.png: %s", error)
-        export_surgery(out_path, modules, {name: d.model for name, d in surgery.domains.items()},
-                       default_domain or surgery.active_domain, loss=surgery.loss, report=report,
-                       extra_files=extra, router=router)
+            if os.path.exists(path):
+                os.remove(path)
+
+    export_surgery(out_path, modules, {name: d.model for name, d in surgery.domains.items()},
+                   default_domain or surgery.active_domain, loss=surgery.loss, report=report,
+                   extra_files={"darts_bias.png": draw}, router=router)

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 
 from mergekit_darts.config import SurgeryConfig, SurgeryConfigError, format_validation_error
 from mergekit_darts.errors import DeviceError, FormatError, MergeConfigError, first_line
+from mergekit_darts.model_paths import check_local_model, check_merge_model_paths
 from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
                                                surgery_inputs)
 from mergekit_darts.settings import RunSettings
@@ -40,6 +41,8 @@ def check_merge_config(merge_part: dict, options, merge_config=None):
             merge_config = MergeConfiguration.model_validate(merge_part)
     except Exception as error:  # noqa: BLE001 - pydantic errors and mergekit's RuntimeErrors alike
         raise merge_config_error(error) from None
+    # a mistyped local folder is one line naming the field, not a Hub lookup (docs/reliability.md)
+    check_merge_model_paths(merge_part)
     names = sorted(method.spec.name for method in merge_methods.registered_methods())
     if merge_config.merge_method not in names:
         raise MergeConfigError(f"config.merge_method: mergekit has no merge method {merge_config.merge_method!r}; "
@@ -54,6 +57,7 @@ def check_merge_config(merge_part: dict, options, merge_config=None):
 def _load_config(path: str, where: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
+    check_local_model(path, where)  # "no such directory", not transformers' Hub-id error
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as error:  # transformers raises OSError/ValueError/HTTP errors alike
@@ -76,6 +80,16 @@ def _check_calibration(surgery: SurgeryConfig, seed: int) -> Dict[str, List[str]
     }
 
 
+def _from_preset(surgery: SurgeryConfig, field: str) -> str:
+    """" (set by preset: best)" when the preset supplies this value: the user may never have written the key."""
+    from mergekit_darts.config import PRESETS
+
+    preset = surgery.preset
+    if preset is None or PRESETS[preset].get(field) != getattr(surgery, field):
+        return ""
+    return f" (set by preset: {preset})"
+
+
 def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust_remote_code: bool,
                    check_vocab: bool = True) -> None:
     from mergekit_darts.output.layout import plain_architecture
@@ -85,18 +99,22 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
     except FormatError as error:
         raise SurgeryConfigError(f"surgery: the merged model ({reference_name}): {error}") from None
     hidden = reference.hidden_size
-    for field in ("rank", "head_rank"):
+    ranks = ("rank", "head_rank") + (("depth_rank",) if surgery.depth != 0 else ())  # block adapters too
+    for field in ranks:
         if getattr(surgery, field) > hidden:
             raise SurgeryConfigError(
-                f"surgery.{field}: {getattr(surgery, field)} exceeds the merged model's hidden size {hidden}; "
-                "a rank above the hidden size adds parameters but no capacity"
+                f"surgery.{field}: {getattr(surgery, field)}{_from_preset(surgery, field)} exceeds the merged model's "
+                f"hidden size {hidden}; a rank above the hidden size adds parameters but no capacity"
+                + (f" (write {field}: {hidden} or less to keep the rest of the preset)" if _from_preset(surgery, field) else "")
             )
     layers = getattr(reference, "num_hidden_layers", None)
     if isinstance(layers, int) and isinstance(surgery.depth, int) and surgery.depth > layers:
         raise SurgeryConfigError(
             f"surgery.depth: {surgery.depth} exceeds the merged model's {layers} decoder layers ({reference_name}); "
             f"use at most depth: {layers}")
-    if surgery.max_positions > getattr(reference, "max_position_embeddings", surgery.max_positions):
+    # only a written value: the default is the model's context when that is shorter (pipeline.resolve_from_model)
+    if "max_positions" in surgery.model_fields_set and \
+            surgery.max_positions > getattr(reference, "max_position_embeddings", surgery.max_positions):
         LOG.warning("surgery.max_positions=%d exceeds the model's max_position_embeddings=%d",
                     surgery.max_positions, reference.max_position_embeddings)
     for name, domain in surgery.domains.items():
@@ -173,6 +191,10 @@ def check_tokenizers(surgery: SurgeryConfig, reference_path: str, trust_remote_c
             checked.append((f"surgery.domains.{name}.calibration.synthesize_writer", repr(writer), writer))
         for where, what, path in checked:
             other = _load_tokenizer(path, trust_remote_code)
+            if other is None and where.endswith("synthesize_writer"):  # it writes with its own tokenizer
+                raise SurgeryConfigError(
+                    f"{where}: no tokenizer can be loaded from {path!r}; the writer generates prompts with its own "
+                    "tokenizer: add its tokenizer files, or use a model that has them (e.g. the merge's base model)")
             if other is None:
                 continue
             other = other.get_vocab()

@@ -16,6 +16,9 @@ class RunSettings:
     trust_remote_code: bool
     progress: bool
     quiet: bool
+    # stderr is not a terminal (a log file): no progress bars, whose \r updates flood a file, but one
+    # line per stage instead
+    stage_lines: bool = False
 
     @classmethod
     def resolve(cls, surgery: SurgeryConfig, options=None, progress: Optional[bool] = None) -> "RunSettings":
@@ -33,11 +36,23 @@ class RunSettings:
             elif getattr(options, "cuda", False):
                 device = "cuda"
         quiet = bool(getattr(options, "quiet", False))
+        terminal = stderr_is_terminal()
         return cls(
             seed=seed,
             device=device,
             dtype=surgery.dtype,
             trust_remote_code=bool(getattr(options, "trust_remote_code", False)),
-            progress=(not quiet) if progress is None else bool(progress),
+            progress=(not quiet and terminal) if progress is None else bool(progress),
             quiet=quiet,
+            stage_lines=progress is None and not quiet and not terminal,
         )
+
+
+def stderr_is_terminal() -> bool:
+    """Whether progress bars (which write to stderr) reach a person rather than a file or a pipe."""
+    import sys
+
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False

@@ -135,7 +135,7 @@ def test_synthesize_writer_is_checked_before_the_merge(tiny_family, odd_experts,
     message = _fails_before_merge(_with_writer(tiny_family, tmp_path, odd_experts["shuffled"]), tmp_path / "out")
     assert message.startswith("surgery.domains.math.calibration.synthesize_writer") and "tokenizer" in message
     message = _fails_before_merge(_with_writer(tiny_family, tmp_path, tmp_path / "nowhere"), tmp_path / "out")
-    assert message.startswith("surgery.domains.math.calibration.synthesize_writer") and "cannot load" in message
+    assert message.startswith("surgery.domains.math.calibration.synthesize_writer: no such directory"), message
 
 
 def test_synthesize_beyond_what_it_would_cost_is_refused_before_the_merge(tiny_family, tmp_path):
@@ -345,6 +345,15 @@ LATE_FAILURES = {  # issue 25 item 6 (and 2, 11): each used to pass these checks
         "surgery: the merged model"),
     "depth beyond the layer count": (lambda s, p, t, b: s.replace("  domains:", "  depth: 3\n  domains:"),
                                      "surgery.depth: 3 exceeds the merged model's 2 decoder layers"),
+    # issue 35 item 7: a block adapter rank beyond the hidden size (was accepted, then both domains got worse),
+    # a preset's rank named as the preset's, a writer without tokenizer files (failed after the merge)
+    "depth_rank beyond the hidden size": (lambda s, p, t, b: s.replace("  domains:", "  depth: 1\n  depth_rank: 999\n  domains:"),
+                                          "surgery.depth_rank: 999 exceeds the merged model's hidden size"),
+    "preset best on a small model": (lambda s, p, t, b: s.replace("  rank: 4\n", "  preset: best\n").replace("  lr: 0.01\n", ""),
+                                     "surgery.rank: 64 (set by preset: best) exceeds the merged model's hidden size"),
+    "synthesize_writer without tokenizer files": (
+        lambda s, p, t, b: _with_writer(p, t, b["no tokenizer"]),
+        "surgery.domains.math.calibration.synthesize_writer: no tokenizer can be loaded from"),
     "lr 1e30": (lambda s, p, t, b: s.replace("lr: 0.01", "lr: 1.0e30"), "surgery.lr: Input should be less than"),
     "lr_candidates with too few prompts": (
         lambda s, p, t, b: s.replace("lr: 0.01", "lr_candidates: [0.01, 0.1]"), "surgery.lr_candidates: domain math has 2"),
@@ -434,3 +443,41 @@ def test_mergekit_yaml_reports_missing_cuda_in_one_line_before_merging(tiny_fami
     assert len(errors) == 1 and "surgery.device" in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr and not out.exists()
     assert not any(name.startswith(".darts-staging-") for name in os.listdir(tmp_path))
+
+
+def test_mistyped_local_model_paths_name_the_field_and_the_nearest_folder(tiny_family, tmp_path, monkeypatch):
+    """Issue 35 item 1: `model: tiny_family/cod` went to the Hub ("couldn't connect to huggingface.co",
+    32 s offline) and an absolute one to "Repo id must be in the form ..."; both are one line naming
+    the field, the path and the existing sibling, before mergekit starts."""
+    root, code = os.path.dirname(tiny_family["code"]), tiny_family["code"]
+    family = os.path.basename(root)
+    monkeypatch.chdir(os.path.dirname(root))
+    source = _block(tiny_family, tmp_path)
+    relative = source.replace(f"  - model: {code}\n", f"  - model: {family}/cod\n")
+    message = _fails_before_merge(relative, tmp_path / "out")
+    assert message == f"models[1].model: no such directory '{family}/cod' (did you mean '{family}/code'?)", message
+    absolute = source.replace(f"  - model: {code}\n", f"  - model: {code[:-1]}\n")
+    message = _fails_before_merge(absolute, tmp_path / "out")
+    assert message == f"models[1].model: no such directory '{code[:-1]}' (did you mean '{code}'?)", message
+    base = source.replace(f"base_model: {tiny_family['base']}", "base_model: ./nowhere/base")
+    assert _fails_before_merge(base, tmp_path / "out") == "base_model: no such directory './nowhere/base'"
+    expert = source.replace(f"      model: {code}\n", f"      model: {family}/cod\n")
+    message = _fails_before_merge(expert, tmp_path / "out")
+    assert message == f"surgery.domains.code.model: no such directory '{family}/cod' (did you mean '{family}/code'?)"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub id (no folder `someorg` here) still goes to mergekit/the Hub
+    hub = source.replace(f"  - model: {code}\n", "  - model: someorg/some-model\n")
+    message = _fails_before_merge(hub, tmp_path / "out")
+    assert "no such directory" not in message and message.startswith("config: mergekit refuses the merge part"), message
+
+
+def test_local_paths_and_hub_ids_are_told_apart(tmp_path, monkeypatch):
+    from mergekit_darts.model_paths import looks_local, missing_local_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "family" / "code").mkdir(parents=True)
+    (tmp_path / "weights.bin").write_text("x")
+    assert [looks_local(p) for p in ("gpt2", "meta-llama/Llama-2-7b-hf", "family/cod", "./x", "../x", "/x", "~/x")] == \
+        [False, False, True, True, True, True, True]
+    assert missing_local_model("family/code") is None and missing_local_model("org/name") is None
+    assert missing_local_model("family/cde") == "no such directory 'family/cde' (did you mean 'family/code'?)"
+    assert missing_local_model("./weights.bin").startswith("'./weights.bin' is not a directory")

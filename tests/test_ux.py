@@ -223,6 +223,13 @@ def test_report_table_includes_held_out_kl_and_fits_100_columns(tmp_path):
     math_row = [line for line in lines if line.startswith("math")]
     assert math_row[0].split()[-1] == "-"  # the verdict closes the training table
     assert math_row[1].split()[-3:] == ["0.5", "0.125", "75.0%"]
+    # issue 35 item 6: the behaviour columns are explained only where they are shown
+    assert "exact match" not in table and "greedy continuation" not in table
+    report = _report(tmp_path, "kl", 0.25)
+    figures = {"exact_match": 0.5, "top1_agreement": 0.75, "first_disagreement": 3.0}
+    report["domains"]["math"]["behaviour"] = {"prompts": 2, "before": figures, "after": figures}
+    shown = summary_table(report)
+    assert "exact match" in shown and "greedy continuation is the expert's" in shown
     # the widest case: long domain names, depth, a preset
     report = _report(tmp_path, "kl", 0.25)
     report["domains"] = {"instruct": report["domains"]["math"], "mathematics": report["domains"]["code"]}
@@ -272,6 +279,18 @@ def test_bias_figure_draws_several_variants_without_a_legend_over_data(tmp_path,
     assert all(ax.get_window_extent().y0 > legend_top for ax in axes)
     # a single report (what every surgery writes) still works
     plot_bias(reports["DARTS + KL"], str(tmp_path / "one.png"))
+    # issue 35 item 5: the demo's ten variants with long labels: the legend inside the figure, every
+    # variant in its own colour, none the grey of the "before" curve
+    many = {f"variant {i}: DARTS + EWL1, rank 16, depth all, preset best": _report(tmp_path, "ewl1", 0.1 * (i + 1))
+            for i in range(10)}
+    figures.clear()
+    plot_bias(many, str(tmp_path / "many.png"))
+    fig = figures[0]
+    box, legend = fig.bbox, fig.legends[0].get_window_extent()
+    assert legend.x0 >= box.x0 and legend.x1 <= box.x1 and legend.y0 >= box.y0, (legend, box)
+    assert all(ax.get_window_extent().y0 > legend.y1 for ax in fig.axes)
+    colours = [line.get_color() for line in fig.axes[0].get_lines() if line.get_label().startswith("after ")]
+    assert len(colours) == 10 and len(set(colours)) == 10 and "0.35" not in colours
 
 
 # --- 6. benchmarks never replace the committed results unless asked ---------------------------
@@ -304,7 +323,14 @@ def test_license_files_and_paper_citation():
     from mergekit_darts.output.card import card_section
 
     meta = {"method": "darts", "rank": 2, "max_positions": 8, "head_rank": 0, "loss": "ewl1", "domains": {"math": "m"}}
-    assert "arxiv.org/abs/2608.28547" in card_section("LlamaForCausalLM", meta, "math", None, 10, 1000)
+    section = card_section("LlamaForCausalLM", meta, "math", None, 10, 1000)
+    assert "arxiv.org/abs/2608.28547" in section
+    # issue 35 item 3: the card's first lines explain the UNEXPECTED darts.* keys of a load without remote code
+    head = "\n".join(section.splitlines()[:8])
+    assert "trust_remote_code=True" in head and "UNEXPECTED" in head and "docs/loading.md" in head
+    loading = open(os.path.join(REPO, "docs", "loading.md")).read()
+    assert "UNEXPECTED" in loading and "darts.<domain>.*" in loading
+    assert "docs/loading.md#without-trust_remote_code" in open(os.path.join(REPO, "README.md")).read()
 
 
 # --- issue 26: info prints the router readably, accuracies with their sample sizes ------------
@@ -322,6 +348,13 @@ def test_info_prints_the_router_readably_with_sample_sizes():
     lines = info_lines(info)
     assert "router held-out accuracy: math 100.0% (4/4), code 0.0% (0/1); pooled 80.0% (4/5)" in lines
     assert "router confusion code: math=0 code=0 none=1" in lines
+    # issue 35 item 6: a router measured on one record says it is not expected to route well
+    assert lines[-1] == ("router note: measured on math 4, code 1 record(s) only; a router trained on this few "
+                         "prompts is not expected to route well (docs/routing.md)")
+    many = {**router, "confusion": {"math": {"math": 40}, "code": {"code": 30}}}
+    assert not any(line.startswith("router note") for line in info_lines({**info, "router": many}))
+    assert "depth_rank: - (no block adapters: depth 0)" in info_lines({**info, "depth": 0, "depth_rank": 0})
+    assert "depth_rank: 8" in info_lines({**info, "depth": 2, "depth_rank": 8})
     assert "content: relu" in lines and "parameters: 4,742 added (17.832% of the merged model's 26,592)" in lines
     assert not any("{" in line or "mean_accuracy" in line for line in lines)  # no raw dicts, no "mean"
     assert all(len(line) <= 160 for line in lines)
@@ -394,11 +427,180 @@ def test_the_demo_says_what_it_will_do_before_it_starts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first = plan_lines("./darts_demo", quick=False)  # the default --workdir
     assert first[0].startswith("mergekit-darts demo:") and "1. train a tiny Llama base and 3 experts" in first[1]
-    assert "about 4.5 min on a 2-core CPU (first run, family trained)" in first[-1]
+    # issue 35 item 4: an estimate, in the present tense, from the measured 466 s (docs/results.md#times)
+    assert first[-1] == "  estimate: about 7.8 min on a 2-core CPU (first run, family trained; docs/results.md#times)"
+    assert "466 s" in open(os.path.join(REPO, "docs", "results.md")).read()
     (tmp_path / "darts_demo" / "family").mkdir(parents=True)
     (tmp_path / "darts_demo" / "family" / "family.json").write_text("{}")
     (tmp_path / "darts_demo" / "results.md").write_text("earlier")
     again = plan_lines("./darts_demo", quick=False)
-    assert "1. reuse a tiny Llama base" in again[1] and "2.4 min" in again[-1]
+    assert "1. reuse a tiny Llama base" in again[1] and "estimate: about 3.9 min" in again[-1]
     assert any("an earlier demo's results" in line for line in again)
     assert all(len(line) <= 100 for line in first + again)
+
+
+# --- issue 35 item 7: what the adversarial round found --------------------------------------
+
+def test_info_on_a_broken_report_names_the_file(darts_dir, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(darts_dir, tmp_path / "out")
+    (copy / "darts_report.json").write_text('{"domains": ')
+    result = _cli(["info", str(copy)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"Error: {copy / 'darts_report.json'}: not valid JSON" in result.output, result.output
+
+
+def test_compare_refuses_zero_seeds_before_copying_anything(tiny_family, tmp_path):
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "config.json").write_text("{}")
+    result = _cli(["compare", str(tmp_path / "cfg.yml"), str(merged), "--seeds", "0"])
+    assert result.exit_code == 2 and "--seeds" in result.output and "0 is not in the range" in result.output
+    assert sorted(os.listdir(tmp_path)) == ["merged"]  # no scratch copy was started
+
+
+def test_a_full_disk_during_a_copy_names_the_destination(tmp_path, monkeypatch):
+    """shutil's copy error names the source first (the packaged modeling_darts.py): the full disk is the destination's."""
+    import errno
+    import shutil
+
+    from mergekit_darts.errors import io_error
+
+    source, dest = tmp_path / "modeling_darts.py", tmp_path / "out" / "modeling_darts.py"
+    source.write_text("x" * 10_000)
+    dest.parent.mkdir()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "sendfile", full)
+    with pytest.raises(OSError) as raised:
+        shutil.copyfile(source, dest)
+    message = str(io_error(raised.value, "surgery"))
+    assert message.startswith(f"surgery: {dest}: No space left on device") and str(source) not in message, message
+
+
+def test_the_bias_plot_is_drawn_inside_the_output_folder_not_in_tmpdir(tiny_family, tmp_path, monkeypatch):
+    """A SIGKILL during the export used to leave $TMPDIR/tmp*/darts_bias.png that nothing cleaned: the plot
+    is now drawn in the export's staging folder inside the output, which the next export removes."""
+    from helpers import quick_surgery_output
+    from mergekit_darts.repair.report import plot
+
+    drawn = []
+
+    def fake_plot(report, path):
+        drawn.append(path)
+        with open(path, "wb") as handle:
+            handle.write(b"png")
+
+    monkeypatch.setattr(plot, "plot_bias", fake_plot)
+    out = quick_surgery_output(tiny_family, tmp_path / "out", tmp_path / "cache")
+    assert len(drawn) == 1 and os.path.dirname(drawn[0]).startswith(os.path.join(out, ".darts-staging-")), drawn
+    assert open(os.path.join(out, "darts_bias.png"), "rb").read() == b"png"
+    assert not [n for n in os.listdir(out) if n.startswith(".darts-staging-")]
+
+
+def test_plain_mergekit_yaml_reports_yaml_syntax_errors_and_lists_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_DARTS_DISABLE"}
+    cases = {"syntax.yml": ("merge_method: linear\nmodels: [a, b\n", "Error: config: not valid YAML: while parsing a "
+                            "flow sequence, expected ',' or ']', but got '<stream end>' (line 3, column 1)"),
+             "list.yml": ("- model: a\n- model: b\n", "Error: config: the file holds a list of 2 item(s), not a mapping")}
+    for name, (text, expected) in cases.items():
+        (tmp_path / name).write_text(text)
+        result = subprocess.run([os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), name, "out"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**env, "HF_HUB_OFFLINE": "1"})
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines()[-1].startswith(expected), result.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+# --- issue 35 item 6: figures that confused -------------------------------------------------
+
+def test_max_positions_defaults_to_the_models_context_and_warns_only_when_written(tiny_family, tmp_path, caplog):
+    """`max_positions: 512` warned "exceeds the model's max_position_embeddings" for a default the user never
+    wrote (even with method: standard); the default is now min(512, the model's context), and only a
+    written value beyond it warns."""
+    import shutil
+
+    from helpers import merge_yaml
+    from mergekit_darts.pipeline import run_surgery
+
+    merged = shutil.copytree(tiny_family["merged"], tmp_path / "merged")
+    context = json.loads((merged / "config.json").read_text())["max_position_embeddings"]
+    assert context < 512
+    cfg = merge_yaml(tiny_family) + (
+        "surgery:\n  method: standard\n  rank: 2\n  steps: 2\n  device: cpu\n  dtype: float32\n"
+        f"  cache_dir: {tmp_path / 'cache'}\n  domains:\n    math:\n      model: {tiny_family['math']}\n"
+        "      calibration: {texts: ['what is 1 plus 2 ?', 'add 3 and 4'], samples: 2}\n")
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        report = run_surgery(cfg, str(merged))
+    assert "max_position_embeddings" not in caplog.text, caplog.text
+    assert report["surgery"]["max_positions"] == context
+    assert json.loads((merged / "config.json").read_text())["darts"]["max_positions"] == context
+    caplog.clear()
+    written = cfg.replace("  rank: 2\n", "  rank: 2\n  max_positions: 512\n").replace("  steps: 2\n", "  steps: 0\n")
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        report = run_surgery(written, str(merged))
+    assert f"surgery.max_positions=512 exceeds the model's max_position_embeddings={context}" in caplog.text
+    assert report["surgery"]["max_positions"] == 512
+
+
+# --- issue 35 item 5: output ----------------------------------------------------------------
+
+def test_surgery_quiet_keeps_the_results_and_a_log_file_gets_lines_not_bars(tiny_family, tmp_path, capfd):
+    """`--quiet` hid the per-domain results and router lines too (its help says "No progress bars"); output
+    that is not a terminal (a log file) got thousands of tqdm updates instead of a line per stage."""
+    import shutil
+
+    from helpers import QUICK_TEXTS, merge_yaml
+
+    merged = str(shutil.copytree(tiny_family["merged"], tmp_path / "merged"))
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(merge_yaml(tiny_family) + (
+        "surgery:\n  rank: 2\n  max_positions: 16\n  steps: 2\n  device: cpu\n  dtype: float32\n"
+        f"  cache_dir: {tmp_path / 'cache'}\n  domains:\n" + "".join(
+            f"    {d}:\n      model: {tiny_family[d]}\n      calibration: {{texts: {QUICK_TEXTS[d]}, samples: 3}}\n"
+            for d in ("math", "code"))))
+    quiet = _cli(["surgery", str(cfg), merged, "--quiet"])
+    assert quiet.exit_code == 0, quiet.output
+    lines = quiet.output.splitlines()
+    assert any(line.startswith("mergekit-darts: math: held-out bias") for line in lines), quiet.output
+    assert any(line.startswith("mergekit-darts: router (") for line in lines), quiet.output
+    assert not any("capturing hidden states" in line for line in lines)
+    logged = _cli(["surgery", str(cfg), merged])  # CliRunner's streams are not terminals, like a log file
+    assert logged.exit_code == 0, logged.output
+    for stage in ("capturing hidden states: the merged model and 2 expert(s)", "domain math trained (2 steps)",
+                  "domain code trained (2 steps)", "exporting the corrections and the router"):
+        assert f"mergekit-darts: {stage}" in logged.output, logged.output
+    assert "\r" not in logged.output and "it/s" not in logged.output + capfd.readouterr().err
+
+
+def test_a_worse_domain_is_warned_with_rounded_figures(caplog):
+    """compare printed `held-out L1 0.20707011222839355 -> ...` for every worse variant."""
+    from mergekit_darts import pipeline
+    from mergekit_darts.config import parse_surgery_block
+
+    surgery = parse_surgery_block({"domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}})
+    verdict = {"status": "worse", "measured_on": "held-out records", "metric": "L1",
+               "before": 0.20707011222839355, "after": 0.2314159265358979}
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        getattr(pipeline, "_checked_default")({"domains": {"math": {"verdict": verdict}}}, surgery)
+    assert "(L1 0.2071 -> 0.2314)" in caplog.text and "0.20707011" not in caplog.text, caplog.text
+
+
+def test_eval_without_the_extra_says_so_before_any_context_warning(tmp_path, monkeypatch, caplog):
+    import sys
+
+    from mergekit_darts.tiny import make_random_model
+
+    model_dir = str(tmp_path / "ctx128")
+    make_random_model(model_dir, seed=0, max_position_embeddings=128)  # would warn: 512 tokens do not fit
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # the [eval] extra not installed
+    with caplog.at_level(logging.WARNING, logger="mergekit_darts"):
+        with pytest.raises(EvaluationError, match=r"needs the \[eval\] extra"):
+            evaluate(model_dir, "none", ["gsm8k_darts"], limit=1, device="cpu")
+    assert "context of 128 tokens" not in caplog.text, caplog.text

@@ -5,7 +5,7 @@ Torch-free: it formats what ``output.info.read_darts_info`` read from the files.
 
 from typing import List
 
-from mergekit_darts.console import before_after, routing_accuracy
+from mergekit_darts.console import before_after, few_records_note, routing_accuracy
 
 # keys printed in their own lines below, not as "key: value"
 _OWN_LINES = ("domains", "router", "share", "share_7b", "parameters", "merged_parameters")
@@ -14,7 +14,7 @@ _OWN_LINES = ("domains", "router", "share", "share_7b", "parameters", "merged_pa
 def info_lines(info: dict) -> List[str]:
     from mergekit_darts.repair.budget import describe_share
 
-    lines = [f"{key}: {value}" for key, value in info.items() if key not in _OWN_LINES]
+    lines = [f"{key}: {_shown(key, value, info)}" for key, value in info.items() if key not in _OWN_LINES]
     added = f"parameters: {info.get('parameters', 0):,} added"
     if info.get("share") is not None:
         added += f" ({100 * info['share']:.3f}% of the merged model's {info['merged_parameters']:,})"
@@ -25,6 +25,14 @@ def info_lines(info: dict) -> List[str]:
         lines.append(_domain_line(name, entry))
     lines += router_lines(info.get("router"))
     return lines
+
+
+def _shown(key: str, value, info: dict):
+    """A setting as printed: without block adapters (depth 0) their rank is stored as 0, which is no
+    rank anyone set (docs/options.md gives depth_rank's default, 8, used when depth > 0)."""
+    if key == "depth_rank" and not info.get("depth"):
+        return "- (no block adapters: depth 0)"
+    return value
 
 
 def _domain_line(name: str, entry: dict) -> str:
@@ -61,4 +69,5 @@ def router_lines(router) -> List[str]:
         else:
             what = "each domain's prompts with that domain left out of the router"
         lines.append(f"router fallback: {100 * ood['none_share']:.1f}% of out-of-domain prompts go to none ({what})")
-    return lines
+    note = few_records_note(router)
+    return lines + ([note] if note else [])

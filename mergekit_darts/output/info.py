@@ -21,7 +21,7 @@ def read_darts_info(out_dir: str) -> dict:
     shard = os.path.join(out_dir, DARTS_SHARD)
     header = safetensors_header(shard) if os.path.exists(shard) else {}
     report_path = os.path.join(out_dir, REPORT)
-    report = read_json(report_path) if os.path.exists(report_path) else {}
+    report = _read_report(report_path) if os.path.exists(report_path) else {}
     try:
         merged_params = layout.merged_parameter_count(out_dir)
     except (FormatError, FileNotFoundError):
@@ -51,6 +51,21 @@ def read_darts_info(out_dir: str) -> dict:
         "has_modeling_files": all(os.path.exists(os.path.join(out_dir, f)) for f in MODELING_FILES),
         "router": router,
     }
+
+
+def _read_report(path: str) -> dict:
+    """darts_report.json, or a FormatError naming it (a broken file used to give only json's "Expecting value")."""
+    from mergekit_darts.errors import first_line
+
+    try:
+        report = read_json(path)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise FormatError(f"{path}: not valid JSON ({first_line(error)}); the surgery's report is unreadable: "
+                          "rerun the surgery, or delete the file to see the rest") from None
+    if not isinstance(report, dict):
+        raise FormatError(f"{path}: expected a JSON object, got {type(report).__name__}; rerun the surgery, "
+                          "or delete the file to see the rest")
+    return report
 
 
 def _router_info(meta: dict, header: dict, report: dict) -> Optional[dict]:

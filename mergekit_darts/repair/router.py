@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mergekit_darts.console import routing_accuracy
+from mergekit_darts.console import few_records_note, routing_accuracy
 from mergekit_darts.remote_code.routing import NO_ROUTE, DomainRouter, pool_prompt_states
 
 LOG = logging.getLogger(__name__)
@@ -155,7 +155,8 @@ def summary_lines(entry: dict) -> List[str]:
     if ood and ood.get("none_share") is not None:
         what = "router_eval texts" if ood["source"] == "router_eval" else "left-out domains (swapped)"
         lines.append(f"router: {100 * ood['none_share']:.1f}% of out-of-domain prompts ({what}) fall back to none")
-    return lines
+    note = few_records_note(entry)
+    return lines + ([note] if note else [])
 
 
 def _pct(value: Optional[float]) -> str:

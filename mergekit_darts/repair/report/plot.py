@@ -46,7 +46,9 @@ def _title(name: str, expert: str) -> str:
 # rows of the figure: (bias key prefix, y label); KL is a third row when any report has it
 _BIAS_ROWS = (("", "mean L1 to expert"), ("_weighted", "entropy-weighted L1 to expert"))
 _BEFORE_COLOR = "0.35"
-_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+# distinct from each other and from the grey "before" curve: the demo draws ten variants
+_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
+           "tab:red", "black", "gold", "navy", "lime", "teal", "maroon", "magenta")
 
 
 def plot_bias(reports: Dict[str, Any], path: str) -> str:
@@ -115,8 +117,15 @@ def plot_bias(reports: Dict[str, Any], path: str) -> str:
                  + " representation bias of the merged model, before and after surgery "
                  "(lower = closer to the domain's expert)", fontsize=10)
     per_row = max(2, min(len(labels), int(fig.get_figwidth() / 1.9)))  # ~1.9 inches per legend entry
-    fig.legend(handles, labels, loc="lower center", ncol=per_row, fontsize=8, frameon=False)
-    legend_inches = 0.1 + 0.22 * math.ceil(len(labels) / per_row)
+    while True:  # fewer entries per row until the legend fits the figure's width (long labels were cut off)
+        legend = fig.legend(handles, labels, loc="lower center", ncol=per_row, fontsize=8, frameon=False)
+        fig.canvas.draw()
+        extent = legend.get_window_extent()
+        if per_row == 1 or extent.width <= 0.98 * fig.bbox.width:
+            break
+        legend.remove()
+        per_row -= 1
+    legend_inches = 0.1 + extent.height / fig.dpi
     fig.tight_layout(rect=(0, legend_inches / fig.get_figheight(), 1, 1 - 0.3 / fig.get_figheight()))
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -101,7 +101,8 @@ def summary_table(report: Dict[str, Any]) -> str:
                          "-" if closed is None else f"{100 * closed:.1f}%"])
         behaviour.append([name, *behaviour_cells(entry.get("behaviour"))])
     lines = format_table(training) + [""] + format_table(measured)
-    if any(row[1] != "-" for row in behaviour[1:]):
+    shows_behaviour = any(row[1] != "-" for row in behaviour[1:])
+    if shows_behaviour:
         lines += [""] + format_table(behaviour)
     lines += baseline_lines(report)
     from mergekit_darts.repair.report.verdict import verdict_note
@@ -129,11 +130,12 @@ def summary_table(report: Dict[str, Any]) -> str:
     lines += ["", "All on the held-out calibration records ('measured on'); lower is better except the cut and gap.",
               "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's;",
               "  L1 cut: 1 - after/before. KL: KL(expert || model) of the next-token distribution",
-              "  (nats/token); gap closed: 1 - KL after/before.",
-              "exact match / top-1 agreement / first diff, plain merge -> corrected: held-out prompts whose",
-              "  greedy continuation is the expert's, the share of the expert's tokens that are the model's",
-              "  top-1, the mean position of the first differing token (docs/quality.md, Behaviour).",
-              "train s: wall seconds of the domain's training (lr choice, early stopping and refit included)."]
+              "  (nats/token); gap closed: 1 - KL after/before."]
+    if shows_behaviour:  # the columns are explained only where they are shown
+        lines += ["exact match / top-1 agreement / first diff, plain merge -> corrected: held-out prompts whose",
+                  "  greedy continuation is the expert's, the share of the expert's tokens that are the model's",
+                  "  top-1, the mean position of the first differing token (docs/quality.md, Behaviour)."]
+    lines += ["train s: wall seconds of the domain's training (lr choice, early stopping and refit included)."]
     return "\n".join(lines)
 
 
@@ -142,7 +144,10 @@ def load_report(out_dir: str) -> Dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{out_dir}: no {REPORT_FILE} (is this a mergekit-darts output directory?)")
     with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+        try:
+            return json.load(handle)
+        except ValueError as error:  # the command prints it as one line: it must name the file
+            raise ValueError(f"{path}: not valid JSON ({error}); rerun the surgery to write it again") from None
 
 
 def render_report(out_dir: str, plot: bool = True) -> str:
