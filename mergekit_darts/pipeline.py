@@ -148,7 +148,7 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
 
 def summary_lines(report: dict) -> List[str]:
     """Per domain: held-out bias and KL to the expert, before -> after, and what decided the verdict."""
-    from mergekit_darts.repair.report.table import baseline_cells
+    from mergekit_darts.repair.report.table import baseline_line
     from mergekit_darts.repair.report.verdict import verdict_note
 
     lines = []
@@ -162,10 +162,7 @@ def summary_lines(report: dict) -> List[str]:
         lines.append(f"{name}: " + ", ".join(part for part in parts if part) + warning)
         if verdict:
             lines.append(f"  verdict {status.replace('_', '-')}: {verdict_note(verdict)}")
-        extract = baseline_cells(entry)
-        if extract is not None:
-            lines.append(f"  data-free extract ({extract[0]}): KL gap closed {extract[1].split(' | ')[0]} "
-                         f"(trained {extract[1].split(' | ')[1]})")
+        lines += baseline_line(entry)
     default = report.get("default_domain")
     if isinstance(default, dict) and default.get("used") != default.get("requested"):
         lines.append(f"default domain: {default['used']} (requested {default['requested']}: {default.get('reason')})")

@@ -15,6 +15,7 @@ from mergekit_darts.errors import DeviceError, FormatError, MergeConfigError, fi
 from mergekit_darts.model_paths import check_local_model, check_merge_model_paths
 from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
                                                surgery_inputs)
+from mergekit_darts.preflight_counts import check_selection_prompts, check_synthesis_cost  # noqa: F401
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -242,53 +243,6 @@ def check_texts_usable(texts: Dict[str, List[str]], tokenizer,
             )
         usable_counts[name] = usable
     return usable_counts
-
-
-def _split_sizes(prompts: int, share: float):
-    held = int(round(share * prompts)) if share > 0 and prompts >= 2 else 0
-    held = min(held, prompts - 1)
-    return prompts - held, held
-
-
-def check_selection_prompts(surgery: SurgeryConfig, prompts: Dict[str, int]) -> None:
-    """``lr_candidates`` / ``early_stopping`` choose on validation prompts split off the training ones
-    (repair.train.split.split_rows): each domain needs at least one, or training would fail after the merge."""
-    candidates = len(surgery.lr_candidates or ()) > 1
-    if not (surgery.early_stopping or candidates):
-        return
-    key = "early_stopping" if surgery.early_stopping else "lr_candidates"
-    for name, count in prompts.items():
-        train, _ = _split_sizes(count, surgery.held_out)
-        # synthesized prompts only ever train: counted as if all N survive their filters (at most that many)
-        train += surgery.domains[name].calibration.synthesize
-        _, validation = _split_sizes(train, surgery.validation)
-        if validation == 0:
-            raise SurgeryConfigError(
-                f"surgery.{key}: domain {name} has {count} usable calibration prompt(s), {train} for training after "
-                f"held_out={surgery.held_out:g}, and validation={surgery.validation:g} of them is no prompt to "
-                f"choose on; give more samples, raise surgery.validation, or remove {key}")
-
-
-# calibration.synthesize is bounded by what it costs: up to MAX_SAMPLES (20) expert samples per requested
-# prompt, each kept one answered and captured like a user's. 100 per training prompt is 9x what the
-# documented runs use (450 from 40); 100 000 in all keeps the sampling's lists and the capture in memory.
-SYNTHESIZE_PER_PROMPT = 100
-MAX_SYNTHESIZE = 100_000
-
-
-def check_synthesis_cost(surgery: SurgeryConfig, prompts: Dict[str, int]) -> None:
-    """``synthesize: 10000000`` on 8 prompts grew to 4.9 GB with no output: refused before the merge."""
-    from mergekit_darts.repair.capture.synthesize import MAX_SAMPLES
-
-    for name, count in prompts.items():
-        requested = surgery.domains[name].calibration.synthesize
-        train, _ = _split_sizes(count, surgery.held_out)
-        limit = min(MAX_SYNTHESIZE, SYNTHESIZE_PER_PROMPT * train)
-        if requested > limit:
-            raise SurgeryConfigError(
-                f"surgery.domains.{name}.calibration.synthesize: {requested} prompts from {train} training prompt(s) "
-                f"would take up to {MAX_SAMPLES * requested} expert samples; at most {SYNTHESIZE_PER_PROMPT} per "
-                f"training prompt and {MAX_SYNTHESIZE} in all ({limit} here): lower it or give more calibration prompts")
 
 
 def check_chat_templates(surgery: SurgeryConfig, texts: Dict[str, List[str]], tokenizer,

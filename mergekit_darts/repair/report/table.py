@@ -57,6 +57,15 @@ def baseline_cells(entry: Dict[str, Any]) -> Optional[List[str]]:
             f"{exact(baseline.get('behaviour'))} | {exact(entry.get('behaviour'))}"]
 
 
+def baseline_line(entry: Dict[str, Any]) -> List[str]:
+    """The console's line on a domain's data-free extract (none when it was not measured)."""
+    cells = baseline_cells(entry)
+    if cells is None:
+        return []
+    extract, trained = cells[1].split(" | ")
+    return [f"  data-free extract ({cells[0]}): KL gap closed {extract} (trained {trained})"]
+
+
 def baseline_lines(report: Dict[str, Any]) -> List[str]:
     """The data-free extract beside the trained correction, per domain (empty when none was measured)."""
     rows = [["domain", "data-free extract", "KL gap closed: extract | trained", "exact match: extract | trained"]]

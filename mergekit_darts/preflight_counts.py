@@ -1,0 +1,53 @@
+"""Pre-merge checks on how many calibration prompts each domain has (run by ``preflight``): enough
+validation prompts for lr choice and early stopping, and ``synthesize`` bounded by what it would cost."""
+
+from typing import Dict
+
+from mergekit_darts.config import SurgeryConfig, SurgeryConfigError
+
+
+def split_sizes(prompts: int, share: float):
+    held = int(round(share * prompts)) if share > 0 and prompts >= 2 else 0
+    held = min(held, prompts - 1)
+    return prompts - held, held
+
+
+def check_selection_prompts(surgery: SurgeryConfig, prompts: Dict[str, int]) -> None:
+    """``lr_candidates`` / ``early_stopping`` choose on validation prompts split off the training ones
+    (repair.train.split.split_rows): each domain needs at least one, or training would fail after the merge."""
+    candidates = len(surgery.lr_candidates or ()) > 1
+    if not (surgery.early_stopping or candidates):
+        return
+    key = "early_stopping" if surgery.early_stopping else "lr_candidates"
+    for name, count in prompts.items():
+        train, _ = split_sizes(count, surgery.held_out)
+        # synthesized prompts only ever train: counted as if all N survive their filters (at most that many)
+        train += surgery.domains[name].calibration.synthesize
+        _, validation = split_sizes(train, surgery.validation)
+        if validation == 0:
+            raise SurgeryConfigError(
+                f"surgery.{key}: domain {name} has {count} usable calibration prompt(s), {train} for training after "
+                f"held_out={surgery.held_out:g}, and validation={surgery.validation:g} of them is no prompt to "
+                f"choose on; give more samples, raise surgery.validation, or remove {key}")
+
+
+# calibration.synthesize is bounded by what it costs: up to MAX_SAMPLES (20) expert samples per requested
+# prompt, each kept one answered and captured like a user's. 100 per training prompt is 9x what the
+# documented runs use (450 from 40); 100 000 in all keeps the sampling's lists and the capture in memory.
+SYNTHESIZE_PER_PROMPT = 100
+MAX_SYNTHESIZE = 100_000
+
+
+def check_synthesis_cost(surgery: SurgeryConfig, prompts: Dict[str, int]) -> None:
+    """``synthesize: 10000000`` on 8 prompts grew to 4.9 GB with no output: refused before the merge."""
+    from mergekit_darts.repair.capture.synthesize import MAX_SAMPLES
+
+    for name, count in prompts.items():
+        requested = surgery.domains[name].calibration.synthesize
+        train, _ = split_sizes(count, surgery.held_out)
+        limit = min(MAX_SYNTHESIZE, SYNTHESIZE_PER_PROMPT * train)
+        if requested > limit:
+            raise SurgeryConfigError(
+                f"surgery.domains.{name}.calibration.synthesize: {requested} prompts from {train} training prompt(s) "
+                f"would take up to {MAX_SAMPLES * requested} expert samples; at most {SYNTHESIZE_PER_PROMPT} per "
+                f"training prompt and {MAX_SYNTHESIZE} in all ({limit} here): lower it or give more calibration prompts")
