@@ -57,6 +57,11 @@ def test_prepare_tasks_validates_requests(tmp_path, data_files):
     out = prepare_tasks(["gsm8k_darts", "humaneval_darts"], data_files["gsm8k_darts"], str(tmp_path / "inc"))
     assert sorted(os.listdir(out)) == ["gsm8k_darts.yaml", "humaneval.jsonl", "humaneval_darts.yaml", "utils.py"]
     assert json.dumps(data_files["gsm8k_darts"]) in (tmp_path / "inc" / "gsm8k_darts.yaml").read_text()
+    assert "max_gen_toks: 512\n" in (tmp_path / "inc" / "gsm8k_darts.yaml").read_text()  # the task's own
+    prepare_tasks(["gsm8k_darts", "humaneval_darts"], data_files["gsm8k_darts"], str(tmp_path / "short"), 7)
+    for task in ("gsm8k_darts", "humaneval_darts"):  # the length lives in the YAML, not in lm-eval's gen_kwargs
+        text = (tmp_path / "short" / f"{task}.yaml").read_text()
+        assert "max_gen_toks: 7\n" in text and "512" not in text and "do_sample: false" in text
 
 
 def test_code_execution_must_be_opted_into(tmp_path):
@@ -128,14 +133,23 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
         assert utils.humaneval_process_results(doc, [chatty]) == {"pass@1": 1.0}
 
 
-def test_evaluate_tiny_hf_model_offline(tmp_path, data_files):
+def test_evaluate_tiny_hf_model_offline(tmp_path, data_files, caplog):
     """The real path: lm-eval's hf model on a tiny random Llama, offline, data from local files."""
+    import logging
+
     from mergekit_darts.tiny import make_random_model
 
     model_dir = str(tmp_path / "tiny")
     make_random_model(model_dir, seed=0)
-    out = evaluate(model_dir, "none", ["gsm8k_darts", "alpaca_darts"], data=data_files, limit=2,
-                   max_gen_toks=4, device="cpu", outputs_dir=str(tmp_path / "evalout"))
+    with caplog.at_level(logging.INFO):
+        out = evaluate(model_dir, "none", ["gsm8k_darts", "alpaca_darts"], data=data_files, limit=2,
+                       max_gen_toks=4, device="cpu", outputs_dir=str(tmp_path / "evalout"))
+    # --max-gen-toks reaches every task, greedy as the YAML says, without lm-eval's "gen_kwargs specified
+    # through cli ... Ensure 'do_sample=True'" warning (it came from passing the length as gen_kwargs)
+    messages = [record.getMessage() for record in caplog.records if record.name.startswith("lm_eval")]
+    assert not [m for m in messages if "do_sample=True" in m or "specified through cli" in m]
+    used = [m for m in messages if "Using gen_kwargs" in m]
+    assert len(used) == 2 and all("'max_gen_toks': 4" in m and "'do_sample': False" in m for m in used)
     assert set(out["tasks"]) == {"gsm8k_darts", "alpaca_darts"}
     for key in ("exact_match,strict-match", "exact_match,flexible-extract"):
         assert 0.0 <= out["tasks"]["gsm8k_darts"][key] <= 1.0

@@ -29,6 +29,8 @@ from mergekit_darts.extras import needs  # noqa: E402
 from mergekit_darts.output.layout import AUTO_DOMAIN, NONE_DOMAIN, is_darts_dir  # noqa: E402
 
 LOG = logging.getLogger(__name__)
+# the one ``max_gen_toks: N`` line in each shipped task's ``generation_kwargs``
+_MAX_GEN_TOKS = re.compile(r"^(\s*max_gen_toks:\s*)(\d+)", re.M)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,8 +86,13 @@ def resolve_data(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]]
     return {task: _check_data(task, path) for task, path in data.items()}
 
 
-def prepare_tasks(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]], dest: str) -> str:
-    """Write the task YAMLs for ``tasks`` into ``dest`` (an lm-eval include dir); returns ``dest``."""
+def prepare_tasks(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]], dest: str,
+                  max_gen_toks: Optional[int] = None) -> str:
+    """Write the task YAMLs for ``tasks`` into ``dest`` (an lm-eval include dir); returns ``dest``.
+
+    ``max_gen_toks`` replaces the tasks' own generation length in the YAMLs themselves: handing it to
+    ``simple_evaluate(gen_kwargs=...)`` instead makes lm-eval log a "specified through cli ... Ensure
+    'do_sample=True'" warning on every run although nothing about sampling changed."""
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise EvaluationError(f"tasks: unknown {bad or 'none given'}; choose from {list(TASKS)}")
@@ -98,6 +105,8 @@ def prepare_tasks(tasks: Sequence[str], data: Union[None, str, Mapping[str, str]
         template = package.joinpath(f"{task}.yaml").read_text(encoding="utf-8")
         # a JSON string is a valid YAML double-quoted scalar: safe for any path
         text = template.replace("__DATA_FILE__", json.dumps(files[task]))
+        if max_gen_toks is not None:
+            text = _MAX_GEN_TOKS.sub(lambda match: f"{match.group(1)}{int(max_gen_toks)}", text, count=1)
         with open(os.path.join(dest, f"{task}.yaml"), "w", encoding="utf-8") as handle:
             handle.write(text)
     # `!function utils.x` is resolved next to the YAML: a shim keeps one implementation in the package
@@ -130,7 +139,7 @@ def context_length(model_dir: str) -> Optional[int]:
 def task_max_gen_toks(task: str) -> int:
     """The generation length a shipped task asks for (its YAML's ``max_gen_toks``)."""
     text = resources.files("mergekit_darts.evaluation.lmeval_tasks").joinpath(f"{task}.yaml").read_text("utf-8")
-    return int(re.search(r"^\s*max_gen_toks:\s*(\d+)", text, re.M).group(1))
+    return int(_MAX_GEN_TOKS.search(text).group(2))
 
 
 def generation_length(model_dir: str, tasks: Sequence[str], max_gen_toks: Optional[int]) -> Optional[int]:
@@ -237,12 +246,11 @@ def evaluate(
 
         model = DartsLM(**args, batch_size=batch_size, device=device)
     with tempfile.TemporaryDirectory(prefix="darts-tasks-") as include:
-        prepare_tasks(tasks, data, include)
+        prepare_tasks(tasks, data, include, max_gen_toks)
         manager = TaskManager(include_path=include, include_defaults=False)
         results = lm_eval.simple_evaluate(
             model=model, model_args=None if model != "hf" else args, tasks=tasks, task_manager=manager, limit=limit,
             batch_size=batch_size, device=device, log_samples="alpaca_darts" in tasks,
-            gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
             apply_chat_template=apply_chat_template, confirm_run_unsafe_code=allow_code_execution,
             bootstrap_iters=0,
         )
