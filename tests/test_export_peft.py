@@ -218,3 +218,34 @@ def test_sharded_merge_gets_a_linked_sharded_base(tmp_path, tied):
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain="none").eval()
     ids = _ids(remote.config.vocab_size, seed=6)
     assert_same_logits(logits_of(AutoModelForCausalLM.from_pretrained(str(base)).eval(), ids), logits_of(remote, ids))
+
+
+def _peft_warnings(base, adapters):
+    """(category, message) of every Python warning PEFT raises while putting ``adapters`` on ``base``."""
+    import warnings
+
+    from peft import PeftModel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(base, str(adapters / "math"), adapter_name="math")
+        model.load_adapter(str(adapters / "code"), adapter_name="code")
+    return {(w.category.__name__, str(w.message)) for w in caught}
+
+
+def test_peft_warns_about_our_adapters_no_more_than_about_any_model(tied_merged, tmp_path):
+    """Loading the exported adapters on ``adapters/base-model`` raises exactly the warnings PEFT raises for
+    a LlamaForCausalLM built in memory from transformers' own config (none of our files involved): PEFT
+    0.21's ``is_gradient_checkpointing`` FutureWarning is upstream noise (docs/serving.md), not ours."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    out = linear_surgery_output(tied_merged, tmp_path / "out")
+    export_peft(out, str(tmp_path / "adapters"))
+    exported = json.loads((tmp_path / "adapters" / "base-model" / "config.json").read_text())
+    ours = _peft_warnings(AutoModelForCausalLM.from_pretrained(str(tmp_path / "adapters" / "base-model")),
+                          tmp_path / "adapters")
+    stranger = LlamaForCausalLM(LlamaConfig(vocab_size=exported["vocab_size"], hidden_size=exported["hidden_size"],
+                                            intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=2))
+    assert ours == _peft_warnings(stranger, tmp_path / "adapters")
+    assert not [message for _, message in ours if "darts" in message.lower() or str(tmp_path) in message]
