@@ -23,13 +23,14 @@ def test_modeling_files_import_only_torch_and_transformers():
     """What runs on every user's machine via trust_remote_code: torch/transformers and the shipped files'
     own relative imports only, no file, process or network access."""
     folder = export_module.PACKAGE_DIR
-    shipped = {"surgery", "blocks", "routing", "hooks"}
+    shipped = {"surgery", "blocks", "routing", "hooks", "generation"}
     allowed = {"modeling_darts.py": {"torch", "transformers", "typing", *shipped},
                "surgery.py": {"dataclasses", "typing", "torch", "blocks"},
                "blocks.py": {"typing", "torch"},
                "routing.py": {"typing", "torch"},
                "hooks.py": {"threading", "dataclasses", "functools", "typing", "torch", "transformers", "routing",
-                            "surgery"}}
+                            "surgery"},
+               "generation.py": {"typing", "torch"}}
     assert sorted(allowed) == sorted(layout.MODELING_FILES)
     for name, modules in allowed.items():
         source = open(os.path.join(folder, name)).read()

@@ -1,7 +1,7 @@
 """Darts*ForCausalLM: a merged model plus per-domain representation surgery (docs/design.md §3, §5).
 
-Copied with ``surgery.py``, ``blocks.py``, ``routing.py`` and ``hooks.py`` into every output directory
-and loaded there by transformers' remote-code loader: these import torch, transformers, the standard
+Copied with ``surgery.py``, ``blocks.py``, ``routing.py``, ``hooks.py`` and ``generation.py`` into every output
+directory and loaded there by transformers' remote-code loader: these import torch, transformers, the standard
 library's ``dataclasses``/``functools``/``threading``/``typing`` and each other only, and touch no files.
 
 The corrected model is the plain ``<Arch>ForCausalLM`` whose LM head applies each row's domain's
@@ -22,6 +22,7 @@ from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM
 from transformers.utils import logging
 
 from .blocks import BlockAdapter, block_linear_targets
+from .generation import ROUTE_ATTR, prefill_route_state, route_step_inputs
 from .hooks import AUTO_INDEX, NONE_INDEX, DartsCall, PendingRoute, attach, resolve_route, set_active_call
 from .routing import DomainModules, DomainRouter, route_rows
 from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors
@@ -30,7 +31,6 @@ logger = logging.get_logger(__name__)
 
 NONE_DOMAIN = "none"
 AUTO_DOMAIN = "auto"  # each row's domain is picked by the router from its prompt (docs/routing.md)
-_ROUTE_ATTR = "_darts_route_sums"  # on a KV cache object: the routing sums of its sequences' prompts
 
 
 def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) -> torch.Tensor:
@@ -231,18 +231,22 @@ class DartsMixin:
             torch._assert_async(valid.all(), message)
         return rows.to(device=device, dtype=torch.long, copy=True)  # never written into: the caller's stays
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                logits_to_keep=0, darts_domain=None, darts_rows=None, darts_route=None, darts_route_state=None,
-                darts_routed_rows=None, darts_prompt_mask=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, darts_domain=None, darts_rows=None, darts_route=None,
+                darts_route_state=None, darts_routed_rows=None, darts_prompt_mask=None, **kwargs):
         """``darts_domain``: see ``_call_plan``. ``darts_prompt_mask`` [B, T]: the current tokens that
         are real prompt tokens, for "auto" rows with a 4-D ``attention_mask``. ``darts_rows`` (validated
         per-row indices) is what ``generate`` hands every step; with "auto" rows its prefill calls also
         get ``darts_route="prefill"``, the routing sums ``darts_route_state`` they add to and
         ``darts_routed_rows``, written with the routed rows that the later steps get as ``darts_rows``."""
-        # The parent's parameters by name: generate() inspects the signature for position_ids and
-        # logits_to_keep, the Trainer for labels (a column it would otherwise drop from the batches).
-        call_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        # The parent's parameters by name: generate() inspects the signature for position_ids, cache, use_cache
+        # and logits_to_keep (a user's cache= / past_key_values= is refused unless named here), the Trainer for
+        # labels (a column it would otherwise drop from the batches).
+        if cache is None:  # transformers' deprecated name of cache
+            cache = kwargs.pop("past_key_values", None)
+        call_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                           inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                           logits_to_keep=logits_to_keep, **kwargs)
         embeds = input_ids if input_ids is not None else inputs_embeds
         if embeds is None:  # let the parent raise its own error
             return super().forward(**call_kwargs)
@@ -254,7 +258,6 @@ class DartsMixin:
         if not torch.compiler.is_compiling():
             attach(self)
         domain, rows, may_route = plan
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if position_ids is None:
             # the position the surgery was trained on: the token's index within its sequence
             position_ids = default_position_ids(length, attention_mask, cache, embeds.device)
@@ -278,7 +281,7 @@ class DartsMixin:
         if route is not None and darts_route is None and route.sums is not None:
             out_cache = getattr(outputs, "cache", None) or getattr(outputs, "past_key_values", None)
             if out_cache is not None:  # a manual loop passes this cache back: later calls keep the routing
-                setattr(out_cache, _ROUTE_ATTR, route.sums)
+                setattr(out_cache, ROUTE_ATTR, route.sums)
         return outputs
 
     def _pending_route(self, attention_mask, prompt_mask, step, state, routed, cache, batch,
@@ -291,7 +294,7 @@ class DartsMixin:
         mask = self._routing_mask(prompt_mask, attention_mask, length)
         if step == "prefill":  # generate: every prefill chunk adds its tokens to the carried sums
             return PendingRoute(router, to_domain, mask=mask, state=state, accumulate=True, routed=routed)
-        carried = getattr(cache, _ROUTE_ATTR, None) if cache is not None else None
+        carried = getattr(cache, ROUTE_ATTR, None) if cache is not None else None
         if carried is None or carried.shape[0] != batch:
             return PendingRoute(router, to_domain, mask=mask)
         past = cache.get_seq_length()
@@ -330,27 +333,19 @@ class DartsMixin:
         else:
             kwargs["darts_rows"] = plan[1].to(device)
             if plan[2] and bool((plan[1] == AUTO_INDEX).any()):
-                kwargs["darts_route_state"] = torch.zeros(batch, self.config.hidden_size + 1, dtype=torch.float32,
-                                                          device=device)
+                kwargs["darts_route_state"] = prefill_route_state(kwargs.get("cache", kwargs.get("past_key_values")),
+                                                                  batch, self.config.hidden_size, device)
                 kwargs["darts_routed_rows"] = kwargs["darts_rows"].clone()
         return super().generate(*args, **kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, attention_mask=None,
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, **kwargs):
         # the parent's parameters by name: generate inspects this signature (inputs_embeds forwarding)
         inputs = super().prepare_inputs_for_generation(
-            input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
         if kwargs.get("darts_route_state") is not None:
-            if is_first_iteration:
-                inputs["darts_route"] = "prefill"
-                # the 2-D mask, before the parent made a 4-D one of it for a static cache
-                if attention_mask is not None and attention_mask.dim() == 2:
-                    current = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
-                    inputs["darts_prompt_mask"] = attention_mask[:, -current.shape[1]:]
-            else:  # decoding: the rows the prefill routed, nothing to route or write
-                inputs["darts_rows"] = inputs.pop("darts_routed_rows")
-                inputs.pop("darts_route_state")
+            route_step_inputs(inputs, attention_mask, is_first_iteration)
         return inputs
 
     @torch.no_grad()
