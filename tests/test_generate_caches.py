@@ -112,3 +112,64 @@ def test_one_cache_reused_across_chat_turns(darts, depth):
         turn2 = generate(runner, {"input_ids": second}, domain, cache=cache)
         assert cache.get_seq_length() == second.shape[1] + NEW_TOKENS - 1
         assert torch.equal(turn2, generate(runner, {"input_ids": second}, domain)), label
+
+
+# ------------------------------------------------------------------ assisted and prompt-lookup decoding
+
+def first_forward_of(model, run):
+    """The keyword arguments of the first forward of ``model`` while ``run()`` runs, and run()'s result."""
+    seen = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
+    try:
+        result = run()
+    finally:
+        handle.remove()
+    return seen, result
+
+
+@torch.no_grad()
+def test_prompt_lookup_with_auto_routes_on_the_prompt_alone(darts, tmp_path):
+    """Prompt-lookup decoding feeds the prompt and its first draft tokens in one forward. The router is
+    pointed so that the prompt alone routes to math and prompt + drafts to code: "auto" must pick math."""
+    from mergekit_darts.remote_code.routing import pool_prompt_states
+    from test_compiled import routing_states
+
+    model = load(darts[0]["path"], trust_remote_code=True)  # its router is edited below
+    ids = ids_of(darts["tokenizer"], PROMPTS[2] + " " + PROMPTS[2])  # repeated n-grams: lookup drafts tokens
+    lookup = dict(prompt_lookup_num_tokens=4)
+    seen, _ = first_forward_of(model, lambda: generate(model, {"input_ids": ids}, "none", **lookup))
+    with_drafts = seen[0]["input_ids"]
+    assert with_drafts.shape[1] > ids.shape[1] and torch.equal(with_drafts[:, :ids.shape[1]], ids)
+    prompt = pool_prompt_states(routing_states(model, {"input_ids": ids}, 0))[0]
+    drafted = pool_prompt_states(routing_states(model, {"input_ids": with_drafts}, 0))[0]
+    router = model.darts.router
+    for name, centroid in (("math", prompt), ("code", drafted)):
+        index = router.domains.index(name)
+        router.weight[index] = router.centroids[index] = centroid
+    router.bias.zero_()
+    router.similarity_mean.fill_(0.0)
+    assert model.route_domains(ids) == ["math"] and model.route_domains(with_drafts) == ["code"]
+    seen, routed = first_forward_of(model, lambda: generate(model, {"input_ids": ids}, "auto", **lookup))
+    assert seen[0]["input_ids"].shape[1] > ids.shape[1]  # the first forward really carried drafts
+    mask = seen[0]["darts_prompt_mask"]
+    assert mask[:, :ids.shape[1]].all() and not mask[:, ids.shape[1]:].any()
+    math, code = (generate(model, {"input_ids": ids}, name) for name in ("math", "code"))
+    assert not torch.equal(math, code)
+    assert torch.equal(routed, math)
+
+
+@pytest.mark.parametrize("assistant_kind", ["plain", "darts"])
+def test_assistant_model_drafts_with_its_own_settings(darts, assistant_kind):
+    """Speculative decoding with a plain or a Darts assistant: greedy output is the target's own for
+    every domain argument, and the assistant's forwards never get the target's darts_* keywords."""
+    model, tokenizer = darts[0]["model"], darts["tokenizer"]
+    assistant = darts[0]["plain"] if assistant_kind == "plain" else load(darts[0]["path"], trust_remote_code=True)
+    ids = {"input_ids": ids_of(tokenizer, PROMPTS[2])}
+    for domain in ("none", "code", ["math"], "auto"):
+        seen, assisted = first_forward_of(assistant, lambda: generate(model, ids, domain, assistant_model=assistant))
+        assert torch.equal(assisted, generate(model, ids, domain)), domain
+        assert seen, "the assistant drafted nothing"
+        for kwargs in seen:
+            got = {key for key in kwargs if key.startswith("darts_")}
+            assert got <= ({"darts_domain"} if assistant_kind == "darts" else set()), (domain, got)
+            assert kwargs.get("darts_domain") in (None, assistant.darts_domain if assistant_kind == "darts" else None)

@@ -1,9 +1,10 @@
-"""What ``generate`` carries between the emitted model's forwards for ``darts_domain="auto"`` rows
-(docs/design.md §5, docs/routing.md).
+"""What the emitted model derives as ``generate`` does, and what ``generate`` carries between its forwards
+for ``darts_domain="auto"`` rows (docs/design.md §5, docs/routing.md).
 
 Imports torch only; copied into every output directory. The routing sums
 (``routing.prompt_state_sums``: [B, H + 1]) that the prefill adds the prompt's states to start at zero,
-or, when the caller's cache already holds a prefix, at the sums an ``"auto"`` forward stored on it.
+or, when the caller's cache already holds a prefix, at the sums an ``"auto"`` forward stored on it; the
+prompt is what the prefill routes on, never the draft tokens of assisted or prompt-lookup decoding.
 """
 
 from typing import Optional
@@ -11,6 +12,19 @@ from typing import Optional
 import torch
 
 ROUTE_ATTR = "_darts_route_sums"  # on a KV cache object: the routing sums of its sequences' prompts
+
+
+def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) -> torch.Tensor:
+    """Position ids of the current tokens when the caller gave none, as ``generate`` derives them:
+    from a 2-D attention mask (cumsum - 1, so left padding is skipped; padding gets 0), else
+    ``arange`` after the cached length (a tensor for static caches: no host sync). The last
+    ``seq_len`` columns are the current tokens."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        positions = attention_mask.long().cumsum(-1) - 1
+        positions = positions.masked_fill(attention_mask == 0, 0)
+        return positions[:, -seq_len:]
+    past = cache.get_seq_length() if cache is not None else 0
+    return (torch.arange(seq_len, device=device) + past).unsqueeze(0)
 
 
 def prefill_route_state(cache, batch: int, hidden_size: int, device) -> torch.Tensor:
@@ -31,16 +45,26 @@ def prefill_route_state(cache, batch: int, hidden_size: int, device) -> torch.Te
     return carried.to(device=device, dtype=torch.float32).clone()  # generate adds to it: the cache's stays
 
 
-def route_step_inputs(inputs: dict, attention_mask: Optional[torch.Tensor], is_first_iteration: bool) -> None:
+def route_step_inputs(inputs: dict, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      is_first_iteration: bool, prompt_length: Optional[int]) -> None:
     """Complete one step's forward inputs of a generation with "auto" rows: a prefill call (each chunk of a
     chunked prefill) routes and adds its prompt tokens to the sums; a decoding step gets the rows the
-    prefill routed as its rows, and nothing to route or write."""
-    if is_first_iteration:
-        inputs["darts_route"] = "prefill"
-        current = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
-        # the 2-D mask, before the parent made a 4-D one of it for a static cache
-        if attention_mask is not None and attention_mask.dim() == 2:
-            inputs["darts_prompt_mask"] = attention_mask[:, -current.shape[1]:]
-    else:
+    prefill routed as its rows, and nothing to route or write.
+
+    The prompt is the first ``prompt_length`` columns of the sequence: assisted and prompt-lookup
+    decoding feed the prompt together with their first draft tokens, which must not be routed on."""
+    if not is_first_iteration:
         inputs["darts_rows"] = inputs.pop("darts_routed_rows")
         inputs.pop("darts_route_state")
+        return
+    inputs["darts_route"] = "prefill"
+    current = (inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]).shape[1]
+    # the 2-D mask, before the parent made a 4-D one of it for a static cache
+    mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    if mask is None and attention_mask is None and prompt_length is not None and input_ids.shape[1] > prompt_length:
+        mask = torch.ones_like(input_ids)  # no mask given: every token is real, the drafts are not prompt
+    if mask is None:
+        return
+    if prompt_length is not None and mask.shape[1] > prompt_length:
+        mask = torch.cat([mask[:, :prompt_length], torch.zeros_like(mask[:, prompt_length:])], dim=1)
+    inputs["darts_prompt_mask"] = mask[:, -current:]

@@ -22,7 +22,7 @@ from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM
 from transformers.utils import logging
 
 from .blocks import BlockAdapter, block_linear_targets
-from .generation import ROUTE_ATTR, prefill_route_state, route_step_inputs
+from .generation import ROUTE_ATTR, default_position_ids, prefill_route_state, route_step_inputs
 from .hooks import AUTO_INDEX, NONE_INDEX, DartsCall, PendingRoute, attach, resolve_route, set_active_call
 from .routing import DomainModules, DomainRouter, route_rows
 from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors
@@ -31,19 +31,6 @@ logger = logging.get_logger(__name__)
 
 NONE_DOMAIN = "none"
 AUTO_DOMAIN = "auto"  # each row's domain is picked by the router from its prompt (docs/routing.md)
-
-
-def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) -> torch.Tensor:
-    """Position ids of the current tokens when the caller gave none, as ``generate`` derives them:
-    from a 2-D attention mask (cumsum - 1, so left padding is skipped; padding gets 0), else
-    ``arange`` after the cached length (a tensor for static caches: no host sync). The last
-    ``seq_len`` columns are the current tokens."""
-    if attention_mask is not None and attention_mask.dim() == 2:
-        positions = attention_mask.long().cumsum(-1) - 1
-        positions = positions.masked_fill(attention_mask == 0, 0)
-        return positions[:, -seq_len:]
-    past = cache.get_seq_length() if cache is not None else 0
-    return (torch.arange(seq_len, device=device) + past).unsqueeze(0)
 
 
 class DartsMixin:
@@ -336,17 +323,27 @@ class DartsMixin:
                 kwargs["darts_route_state"] = prefill_route_state(kwargs.get("cache", kwargs.get("past_key_values")),
                                                                   batch, self.config.hidden_size, device)
                 kwargs["darts_routed_rows"] = kwargs["darts_rows"].clone()
+                kwargs["darts_prompt_length"] = inputs.shape[1] if inputs is not None else None
         return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
-                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+                                      inputs_embeds=None, is_first_iteration=False, darts_prompt_length=None,
+                                      **kwargs):
         # the parent's parameters by name: generate inspects this signature (inputs_embeds forwarding)
         inputs = super().prepare_inputs_for_generation(
             input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
         if kwargs.get("darts_route_state") is not None:
-            route_step_inputs(inputs, attention_mask, is_first_iteration)
+            route_step_inputs(inputs, input_ids, attention_mask, is_first_iteration, darts_prompt_length)
         return inputs
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        # assisted / speculative decoding: the assistant drafts with its own settings (a plain model takes no
+        # darts_* keyword, a Darts one its own default domain); only this model's forwards get this call's
+        if isinstance(kwargs.get("model_kwargs"), dict):
+            kwargs["model_kwargs"] = {key: value for key, value in kwargs["model_kwargs"].items()
+                                      if not key.startswith("darts_")}
+        return super()._get_candidate_generator(*args, **kwargs)
 
     @torch.no_grad()
     def route_domains(self, input_ids, attention_mask=None) -> "list[str]":
