@@ -173,3 +173,70 @@ def test_assistant_model_drafts_with_its_own_settings(darts, assistant_kind):
             got = {key for key in kwargs if key.startswith("darts_")}
             assert got <= ({"darts_domain"} if assistant_kind == "darts" else set()), (domain, got)
             assert kwargs.get("darts_domain") in (None, assistant.darts_domain if assistant_kind == "darts" else None)
+
+
+# ----------------------------------------------------- calls inside calls, a loop that reorders its cache
+
+@pytest.mark.parametrize("depth", [0, 1])
+@torch.no_grad()
+def test_a_call_made_inside_a_forward_leaves_the_outer_call_as_it_was(darts, depth):
+    """A hook on a decoder layer calls ``route_domains`` / the model itself (another domain, "none") on
+    another prompt while the outer forward runs on the same thread: the outer call keeps its own domain
+    and routing, the inner one gets what it gets alone."""
+    model, tokenizer = darts[depth]["model"], darts["tokenizer"]
+    math_ids, code_ids = ids_of(tokenizer, PROMPTS[0]), ids_of(tokenizer, PROMPTS[1])
+    assert model.route_domains(math_ids) == ["math"] and model.route_domains(code_ids) == ["code"]
+    inner_calls = {"route_domains": lambda: model.route_domains(code_ids),
+                   "forward none": lambda: model(code_ids, darts_domain="none").logits,
+                   "forward code": lambda: model(code_ids, darts_domain="code").logits}
+    alone = {label: call() for label, call in inner_calls.items()}
+    assert torch.equal(alone["forward none"], darts[depth]["plain"](code_ids).logits)
+    for outer in ("auto", "math"):
+        expected = model(math_ids, darts_domain="math").logits
+        for label, call in inner_calls.items():
+            inner = []
+
+            def hook(module, args, output, call=call):
+                if not inner:  # the inner call runs this layer too
+                    inner.append(None)
+                    inner[0] = call()
+
+            handle = model.model.layers[0].register_forward_hook(hook)
+            try:
+                got = model(math_ids, darts_domain=outer).logits
+            finally:
+                handle.remove()
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=f"{outer} / {label}")
+            if label == "route_domains":
+                assert inner[0] == ["code"]
+            else:
+                torch.testing.assert_close(inner[0], alone[label], rtol=0, atol=1e-5, msg=f"{outer} / {label}")
+
+
+@torch.no_grad()
+def test_reordering_a_manual_loops_cache_reorders_its_routing(darts):
+    """A hand-written beam-style loop swaps the rows of its cache (``reorder_cache``): each row keeps its
+    own prompt's routing, so the step after the swap gives the swapped rows of the step without it."""
+    model, tokenizer = darts[0]["model"], darts["tokenizer"]
+    batch = tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)  # routed to math and code
+    ids, mask = batch.input_ids, batch.attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    first = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, darts_domain="auto")
+    token = first.logits[:, -1].argmax(-1, keepdim=True)
+    step = dict(attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1),
+                position_ids=positions[:, -1:] + 1, darts_domain="auto")
+    cache = first.cache
+    assert type(cache).__name__ == "DynamicCache" and isinstance(cache, DynamicCache)
+    kept = model(input_ids=token, cache=copy.deepcopy(cache), **step).logits
+    swap = torch.tensor([1, 0])
+    sums = cache._darts_route_sums.clone()
+    cache.reorder_cache(swap)
+    assert torch.equal(cache._darts_route_sums, sums[swap])
+    swapped_step = {**step, "attention_mask": step["attention_mask"][swap], "position_ids": step["position_ids"][swap]}
+    named = {tuple(names): model(input_ids=token[swap], cache=copy.deepcopy(cache),
+                                 **{**swapped_step, "darts_domain": names}).logits
+             for names in (["code", "math"], ["math", "code"])}
+    swapped = model(input_ids=token[swap], cache=cache, **swapped_step).logits
+    torch.testing.assert_close(swapped, kept[swap], rtol=0, atol=1e-5)
+    torch.testing.assert_close(swapped, named[("code", "math")], rtol=0, atol=1e-5)
+    assert (named[("math", "code")] - swapped).abs().max() > 1.0  # the old rows' routing would show

@@ -7,6 +7,7 @@ or, when the caller's cache already holds a prefix, at the sums an ``"auto"`` fo
 prompt is what the prefill routes on, never the draft tokens of assisted or prompt-lookup decoding.
 """
 
+import threading
 from typing import Optional
 
 import torch
@@ -68,3 +69,57 @@ def route_step_inputs(inputs: dict, input_ids: torch.Tensor, attention_mask: Opt
     if prompt_length is not None and mask.shape[1] > prompt_length:
         mask = torch.cat([mask[:, :prompt_length], torch.zeros_like(mask[:, prompt_length:])], dim=1)
     inputs["darts_prompt_mask"] = mask[:, -current:]
+
+
+def routing_mask(prompt_mask, attention_mask, length):
+    """[B, length]: which current tokens are real prompt tokens (None: all of them)."""
+    mask = prompt_mask if prompt_mask is not None else attention_mask
+    if mask is None:
+        return None
+    if mask.dim() != 2:
+        raise ValueError(
+            f"darts_domain='auto': the router averages the prompt's real tokens, but attention_mask has shape "
+            f"{tuple(mask.shape)}; pass darts_prompt_mask=[batch, tokens] (1 at real tokens) with a "
+            "custom mask (generate does this itself from its 2-D mask)")
+    return mask[:, -length:]
+
+
+# --- routing sums kept on a caller's cache (a hand-written loop) --------------------------------------
+
+_ROUTED_CACHE_CLASSES: dict = {}
+_CLASS_LOCK = threading.Lock()
+
+
+def _routed_cache_class(base: type) -> type:
+    """A subclass of the cache class ``base`` (same ``__name__``) whose row operations (beam search's
+    ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``) apply to the routing sums
+    too, so each row keeps its own prompt's routing when a loop reorders the cache."""
+    with _CLASS_LOCK:
+        if base in _ROUTED_CACHE_CLASSES:
+            return _ROUTED_CACHE_CLASSES[base]
+
+        def with_rows(operation, rows_of):
+            def method(self, argument):
+                result = getattr(base, operation)(self, argument)
+                sums = getattr(self, ROUTE_ATTR, None)
+                if sums is not None:
+                    setattr(self, ROUTE_ATTR, rows_of(sums, argument))
+                return result
+            return method
+
+        routed = type(base.__name__, (base,), {
+            "reorder_cache": with_rows("reorder_cache", lambda sums, rows: sums.index_select(0, rows.to(sums.device))),
+            "batch_select_indices": with_rows("batch_select_indices", lambda sums, rows: sums[rows.to(sums.device)]),
+            "batch_repeat_interleave": with_rows("batch_repeat_interleave",
+                                                 lambda sums, repeats: sums.repeat_interleave(repeats, dim=0)),
+            "_darts_routed": True, "__module__": __name__, "__qualname__": f"_DartsRouted{base.__qualname__}"})
+        _ROUTED_CACHE_CLASSES[base] = routed
+        return routed
+
+
+def store_route_sums(cache, sums: torch.Tensor) -> None:
+    """Keep ``sums`` [B, H + 1] on ``cache`` for the later calls of a hand-written loop. Outside a compiled
+    region the cache's class becomes ``_routed_cache_class`` of it, so reordering its rows reorders them."""
+    if not getattr(type(cache), "_darts_routed", False) and not torch.compiler.is_compiling():
+        cache.__class__ = _routed_cache_class(type(cache))
+    setattr(cache, ROUTE_ATTR, sums)

@@ -22,7 +22,8 @@ from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM
 from transformers.utils import logging
 
 from .blocks import BlockAdapter, block_linear_targets
-from .generation import ROUTE_ATTR, default_position_ids, prefill_route_state, route_step_inputs
+from .generation import (ROUTE_ATTR, default_position_ids, prefill_route_state, route_step_inputs, routing_mask,
+                         store_route_sums)
 from .hooks import AUTO_INDEX, NONE_INDEX, DartsCall, PendingRoute, attach, resolve_route, set_active_call
 from .routing import DomainModules, DomainRouter, route_rows
 from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors
@@ -236,12 +237,12 @@ class DartsMixin:
                            logits_to_keep=logits_to_keep, **kwargs)
         embeds = input_ids if input_ids is not None else inputs_embeds
         if embeds is None:  # let the parent raise its own error
-            return super().forward(**call_kwargs)
+            return self._forward_without_correction(call_kwargs)
         batch, length = embeds.shape[:2]
         plan = ((None, darts_rows, darts_route == "prefill") if darts_rows is not None
                 else self._call_plan(darts_domain, batch, embeds.device))
         if plan is None:
-            return super().forward(**call_kwargs)
+            return self._forward_without_correction(call_kwargs)
         if not torch.compiler.is_compiling():
             attach(self)
         domain, rows, may_route = plan
@@ -268,8 +269,17 @@ class DartsMixin:
         if route is not None and darts_route is None and route.sums is not None:
             out_cache = getattr(outputs, "cache", None) or getattr(outputs, "past_key_values", None)
             if out_cache is not None:  # a manual loop passes this cache back: later calls keep the routing
-                setattr(out_cache, ROUTE_ATTR, route.sums)
+                store_route_sums(out_cache, route.sums)
         return outputs
+
+    def _forward_without_correction(self, call_kwargs):
+        # no call is active while it runs: a forward started inside another one (from a hook) neither
+        # applies nor routes the outer call, which is active again afterwards
+        previous = set_active_call(None)
+        try:
+            return super().forward(**call_kwargs)
+        finally:
+            set_active_call(previous)
 
     def _pending_route(self, attention_mask, prompt_mask, step, state, routed, cache, batch,
                        length) -> PendingRoute:
@@ -278,7 +288,7 @@ class DartsMixin:
         the routing sums), which takes those sums; generate's prefill calls add to its carried sums."""
         router = self.darts.router
         to_domain = tuple(self.darts_domains.index(name) for name in router.domains)
-        mask = self._routing_mask(prompt_mask, attention_mask, length)
+        mask = routing_mask(prompt_mask, attention_mask, length)
         if step == "prefill":  # generate: every prefill chunk adds its tokens to the carried sums
             return PendingRoute(router, to_domain, mask=mask, state=state, accumulate=True, routed=routed)
         carried = getattr(cache, ROUTE_ATTR, None) if cache is not None else None
@@ -290,19 +300,6 @@ class DartsMixin:
         if past == 0:  # an emptied cache (reset) starts a new sequence
             return PendingRoute(router, to_domain, mask=mask)
         return PendingRoute(router, to_domain, state=carried, pool=False)
-
-    @staticmethod
-    def _routing_mask(prompt_mask, attention_mask, length):
-        """[B, length]: which current tokens are real prompt tokens (None: all of them)."""
-        mask = prompt_mask if prompt_mask is not None else attention_mask
-        if mask is None:
-            return None
-        if mask.dim() != 2:
-            raise ValueError(
-                f"darts_domain='auto': the router averages the prompt's real tokens, but attention_mask has shape "
-                f"{tuple(mask.shape)}; pass darts_prompt_mask=[batch, tokens] (1 at real tokens) with a "
-                "custom mask (generate does this itself from its 2-D mask)")
-        return mask[:, -length:]
 
     def generate(self, *args, darts_domain=None, **kwargs):
         # A per-row index tensor (on the model's device) goes to every step as ``darts_rows``; generate
@@ -350,7 +347,7 @@ class DartsMixin:
         """The domain the router picks for each row of ``input_ids`` [B, T] ("none" below its
         threshold), exactly as ``darts_domain="auto"`` would at prefill. Changes nothing."""
         self._domain_index(AUTO_DOMAIN)  # a clear error when there is no router
-        mask = self._routing_mask(None, attention_mask, input_ids.shape[1])
+        mask = routing_mask(None, attention_mask, input_ids.shape[1])
         positions = default_position_ids(input_ids.shape[1], attention_mask, None, input_ids.device)
         seen = {}
         handle = None
@@ -359,10 +356,13 @@ class DartsMixin:
             handle = first.register_forward_pre_hook(
                 lambda module, args, kwargs: seen.update(hidden=args[0] if args else kwargs["hidden_states"]),
                 with_kwargs=True)
+        # no call active: uncorrected, also when called from a hook inside a forward (whose call is restored)
+        previous = set_active_call(None)
         try:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                                use_cache=False).last_hidden_state  # final-norm output; no call active: uncorrected
+                                use_cache=False).last_hidden_state  # the final norm's output
         finally:
+            set_active_call(previous)
             if handle is not None:
                 handle.remove()
         hidden = seen.get("hidden", hidden)
