@@ -176,3 +176,29 @@ def test_config_problems_are_clear_value_errors(small_darts, tmp_path):
         load_remote(str(small_darts), darts_domain="")
     with pytest.raises(ValueError, match="format_version 99.*upgrade"):
         load_remote(broken_copy(small_darts, tmp_path / "future", config=lambda c: c["darts"].update(format_version=99)))
+
+
+def test_null_domain_truncated_file_and_integer_tensor_are_named(small_darts, tmp_path):
+    """Issue 34 item 8: ``"darts_domain": null`` is not silently "none"; a truncated darts.safetensors
+    names the file; an int32 darts tensor (transformers casts it to float32: 0.3 -> 0) is named with its
+    file by the directory check every command runs before loading."""
+    from mergekit_darts.errors import FormatError
+    from mergekit_darts.output.check import check_output_dir
+
+    with pytest.raises(ValueError, match=r"config\.darts_domain: null is not a domain; set it to one of "
+                                         r"\['math', 'code', 'none'\]"):
+        load_remote(broken_copy(small_darts, tmp_path / "null", config=lambda c: c.update(darts_domain=None)))
+    truncated = Path(broken_copy(small_darts, tmp_path / "truncated"))
+    shard = truncated / layout.DARTS_SHARD
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(shard))}: damaged or truncated safetensors file \(.*\); "
+                                         r"copy it again"):
+        load_remote(str(truncated))
+    with pytest.raises(FormatError, match=rf"{re.escape(str(shard))}: truncated"):
+        check_output_dir(str(truncated))
+    up = load_file(small_darts / layout.DARTS_SHARD)["darts.math.up.weight"]
+    integer = broken_copy(small_darts, tmp_path / "int32", tensors={"darts.math.up.weight": up.to(torch.int32)})
+    with pytest.raises(FormatError, match=r"darts\.safetensors: darts\.math\.up\.weight is stored as I32, but every "
+                                          r"darts tensor is float32 \(F32\)"):
+        check_output_dir(integer)
+    check_output_dir(str(small_darts))  # the intact directory passes

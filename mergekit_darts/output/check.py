@@ -32,6 +32,9 @@ def shard_problem(path: str) -> Optional[str]:
     end = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + length + end > size:
         return f"truncated ({size} bytes, the header describes {8 + length + end})"
+    for name, info in header.items():  # transformers would cast them to float32 silently (int32 0.3 -> 0)
+        if name.startswith("darts.") and info.get("dtype") != "F32":
+            return f"{name} is stored as {info.get('dtype')}, but every darts tensor is float32 (F32)"
     return None
 
 

@@ -26,7 +26,7 @@ from .generation import (ROUTE_ATTR, default_position_ids, prefill_route_state, 
                          store_route_sums)
 from .hooks import AUTO_INDEX, NONE_INDEX, DartsCall, PendingRoute, attach, resolve_route, set_active_call
 from .routing import DomainModules, DomainRouter, route_rows
-from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors
+from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors, damaged_file_error
 
 logger = logging.get_logger(__name__)
 
@@ -83,8 +83,11 @@ class DartsMixin:
                                    adapted_linears=[(index, path) for index, paths in (targets or {}).items()
                                                     for path in paths])
         attach(self)
-        default = getattr(self.config, "darts_domain", None)
-        self.set_darts_domain(NONE_DOMAIN if default is None else default)
+        default = getattr(self.config, "darts_domain", NONE_DOMAIN)
+        if default is None:  # "darts_domain": null in config.json (or darts_domain=None given to from_pretrained)
+            raise ValueError(f"config.darts_domain: null is not a domain; set it to one of {[*domains, NONE_DOMAIN]} "
+                             "('none' = the plain merged model) in config.json, or pass darts_domain=")
+        self.set_darts_domain(default)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -101,6 +104,11 @@ class DartsMixin:
                                               **{**kwargs, "ignore_mismatched_sizes": True})
             check_darts_tensors(nn.Module(), source, info.get("mismatched_keys") or ())
             raise
+        except Exception as error:  # safetensors' own error names no file (a truncated darts.safetensors, ...)
+            damaged = damaged_file_error(error, source.rpartition("/")[0])
+            if damaged is None:
+                raise
+            raise damaged from error
         check_darts_tensors(model.darts, source, info.get("mismatched_keys") or ())
         model._warn_missing_darts(info.get("missing_keys") or ())
         attach(model)  # a quantizer may have swapped the adapted linears while loading
