@@ -179,15 +179,16 @@ def test_config_problems_are_clear_value_errors(small_darts, tmp_path):
 
 
 def test_null_domain_truncated_file_and_integer_tensor_are_named(small_darts, tmp_path):
-    """Issue 34 item 8: ``"darts_domain": null`` is not silently "none"; a truncated darts.safetensors
-    names the file; an int32 darts tensor (transformers casts it to float32: 0.3 -> 0) is named with its
-    file by the directory check every command runs before loading."""
+    """Issue 34 item 8: a truncated darts.safetensors names the file when loading; ``"darts_domain": null``
+    and an int32 darts tensor (transformers casts it to float32: 0.3 -> 0) are named with their file by the
+    directory check every command runs before loading (from_pretrained cannot tell them from a
+    darts_domain=None keyword, what lm-eval makes of darts_domain=none, or see a stored dtype)."""
     from mergekit_darts.errors import FormatError
     from mergekit_darts.output.check import check_output_dir
 
-    with pytest.raises(ValueError, match=r"config\.darts_domain: null is not a domain; set it to one of "
-                                         r"\['math', 'code', 'none'\]"):
-        load_remote(broken_copy(small_darts, tmp_path / "null", config=lambda c: c.update(darts_domain=None)))
+    null = broken_copy(small_darts, tmp_path / "null", config=lambda c: c.update(darts_domain=None))
+    with pytest.raises(FormatError, match=r"null/config\.json: darts_domain is null, not a domain name"):
+        check_output_dir(null)
     truncated = Path(broken_copy(small_darts, tmp_path / "truncated"))
     shard = truncated / layout.DARTS_SHARD
     shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
@@ -202,3 +203,5 @@ def test_null_domain_truncated_file_and_integer_tensor_are_named(small_darts, tm
                                           r"darts tensor is float32 \(F32\)"):
         check_output_dir(integer)
     check_output_dir(str(small_darts))  # the intact directory passes
+    # an explicit darts_domain=None (what lm-eval makes of darts_domain=none) stays "none"
+    assert load_remote(str(small_darts), darts_domain=None).darts_domain == "none"

@@ -91,6 +91,9 @@ def check_output_dir(path: str, *, darts: bool = True, code: bool = False, weigh
             read_shape(entry)  # a newer format version, a missing key: named before anything loads it
         except ValueError as error:
             raise FormatError(f"{path}/config.json: {error}") from None
+        if "darts_domain" in (config := read_config(path)) and not isinstance(config["darts_domain"], str):
+            raise FormatError(f"{path}/config.json: darts_domain is {json.dumps(config['darts_domain'])}, not a domain "
+                              "name; set it to one of the domains or \"none\" (the plain merged model)")
     if weights:
         check_weights(path)
     if code:

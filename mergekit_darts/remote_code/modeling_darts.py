@@ -83,11 +83,10 @@ class DartsMixin:
                                    adapted_linears=[(index, path) for index, paths in (targets or {}).items()
                                                     for path in paths])
         attach(self)
-        default = getattr(self.config, "darts_domain", NONE_DOMAIN)
-        if default is None:  # "darts_domain": null in config.json (or darts_domain=None given to from_pretrained)
-            raise ValueError(f"config.darts_domain: null is not a domain; set it to one of {[*domains, NONE_DOMAIN]} "
-                             "('none' = the plain merged model) in config.json, or pass darts_domain=")
-        self.set_darts_domain(default)
+        # None is "none": lm-eval turns darts_domain=none into None, and from_pretrained's keyword reaches the
+        # config the way config.json's value does (output/check.py refuses a null written in config.json)
+        default = getattr(self.config, "darts_domain", None)
+        self.set_darts_domain(NONE_DOMAIN if default is None else default)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -132,9 +131,8 @@ class DartsMixin:
             )
 
     def _init_weights(self, module):
-        # Called for parameters missing from the checkpoint. The generic init would draw up/position
-        # bias from N(0, 0.02) (or leave garbage); the surgery must start as the identity instead.
-        # transformers.initialization's functions skip tensors that were loaded.
+        # Called for parameters missing from the checkpoint: the surgery starts as the identity, not the generic
+        # N(0, 0.02) (transformers.initialization's functions skip tensors that were loaded).
         if isinstance(module, DomainSurgery):
             init.kaiming_uniform_(module.down.weight, a=5**0.5)
             init.zeros_(module.up.weight)
