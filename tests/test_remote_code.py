@@ -23,13 +23,14 @@ def test_modeling_files_import_only_torch_and_transformers():
     """What runs on every user's machine via trust_remote_code: torch/transformers and the shipped files'
     own relative imports only, no file, process or network access."""
     folder = export_module.PACKAGE_DIR
-    shipped = {"surgery", "blocks", "routing", "hooks"}
+    shipped = {"surgery", "blocks", "routing", "hooks", "generation"}
     allowed = {"modeling_darts.py": {"torch", "transformers", "typing", *shipped},
                "surgery.py": {"dataclasses", "typing", "torch", "blocks"},
                "blocks.py": {"typing", "torch"},
                "routing.py": {"typing", "torch"},
                "hooks.py": {"threading", "dataclasses", "functools", "typing", "torch", "transformers", "routing",
-                            "surgery"}}
+                            "surgery"},
+               "generation.py": {"threading", "typing", "torch"}}
     assert sorted(allowed) == sorted(layout.MODELING_FILES)
     for name, modules in allowed.items():
         source = open(os.path.join(folder, name)).read()
@@ -175,3 +176,32 @@ def test_config_problems_are_clear_value_errors(small_darts, tmp_path):
         load_remote(str(small_darts), darts_domain="")
     with pytest.raises(ValueError, match="format_version 99.*upgrade"):
         load_remote(broken_copy(small_darts, tmp_path / "future", config=lambda c: c["darts"].update(format_version=99)))
+
+
+def test_null_domain_truncated_file_and_integer_tensor_are_named(small_darts, tmp_path):
+    """Issue 34 item 8: a truncated darts.safetensors names the file when loading; ``"darts_domain": null``
+    and an int32 darts tensor (transformers casts it to float32: 0.3 -> 0) are named with their file by the
+    directory check every command runs before loading (from_pretrained cannot tell them from a
+    darts_domain=None keyword, what lm-eval makes of darts_domain=none, or see a stored dtype)."""
+    from mergekit_darts.errors import FormatError
+    from mergekit_darts.output.check import check_output_dir
+
+    null = broken_copy(small_darts, tmp_path / "null", config=lambda c: c.update(darts_domain=None))
+    with pytest.raises(FormatError, match=r"null/config\.json: darts_domain is null, not a domain name"):
+        check_output_dir(null)
+    truncated = Path(broken_copy(small_darts, tmp_path / "truncated"))
+    shard = truncated / layout.DARTS_SHARD
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(shard))}: damaged or truncated safetensors file \(.*\); "
+                                         r"copy it again"):
+        load_remote(str(truncated))
+    with pytest.raises(FormatError, match=rf"{re.escape(str(shard))}: truncated"):
+        check_output_dir(str(truncated))
+    up = load_file(small_darts / layout.DARTS_SHARD)["darts.math.up.weight"]
+    integer = broken_copy(small_darts, tmp_path / "int32", tensors={"darts.math.up.weight": up.to(torch.int32)})
+    with pytest.raises(FormatError, match=r"darts\.safetensors: darts\.math\.up\.weight is stored as I32, but every "
+                                          r"darts tensor is float32 \(F32\)"):
+        check_output_dir(integer)
+    check_output_dir(str(small_darts))  # the intact directory passes
+    # an explicit darts_domain=None (what lm-eval makes of darts_domain=none) stays "none"
+    assert load_remote(str(small_darts), darts_domain=None).darts_domain == "none"

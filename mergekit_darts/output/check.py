@@ -32,6 +32,9 @@ def shard_problem(path: str) -> Optional[str]:
     end = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + length + end > size:
         return f"truncated ({size} bytes, the header describes {8 + length + end})"
+    for name, info in header.items():  # transformers would cast them to float32 silently (int32 0.3 -> 0)
+        if name.startswith("darts.") and info.get("dtype") != "F32":
+            return f"{name} is stored as {info.get('dtype')}, but every darts tensor is float32 (F32)"
     return None
 
 
@@ -88,6 +91,9 @@ def check_output_dir(path: str, *, darts: bool = True, code: bool = False, weigh
             read_shape(entry)  # a newer format version, a missing key: named before anything loads it
         except ValueError as error:
             raise FormatError(f"{path}/config.json: {error}") from None
+        if "darts_domain" in (config := read_config(path)) and not isinstance(config["darts_domain"], str):
+            raise FormatError(f"{path}/config.json: darts_domain is {json.dumps(config['darts_domain'])}, not a domain "
+                              "name; set it to one of the domains or \"none\" (the plain merged model)")
     if weights:
         check_weights(path)
     if code:

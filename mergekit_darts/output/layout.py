@@ -22,7 +22,7 @@ ROUTER_NAME = "router"  # the router's tensors are darts.router.*, its settings 
 RESERVED_DOMAINS = (NONE_DOMAIN, AUTO_DOMAIN, ROUTER_NAME)
 ARCH_PREFIX = "Darts"  # DartsLlamaForCausalLM wraps LlamaForCausalLM
 # files
-MODELING_FILES = ("modeling_darts.py", "surgery.py", "blocks.py", "routing.py", "hooks.py")  # copied from mergekit_darts/remote_code
+MODELING_FILES = ("modeling_darts.py", "surgery.py", "blocks.py", "routing.py", "hooks.py", "generation.py")  # copied from mergekit_darts/remote_code
 SINGLE_WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SINGLE_SHARD = "model-00001-of-00001.safetensors"

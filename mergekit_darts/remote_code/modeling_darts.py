@@ -1,7 +1,7 @@
 """Darts*ForCausalLM: a merged model plus per-domain representation surgery (docs/design.md §3, §5).
 
-Copied with ``surgery.py``, ``blocks.py``, ``routing.py`` and ``hooks.py`` into every output directory
-and loaded there by transformers' remote-code loader: these import torch, transformers, the standard
+Copied with ``surgery.py``, ``blocks.py``, ``routing.py``, ``hooks.py`` and ``generation.py`` into every output
+directory and loaded there by transformers' remote-code loader: these import torch, transformers, the standard
 library's ``dataclasses``/``functools``/``threading``/``typing`` and each other only, and touch no files.
 
 The corrected model is the plain ``<Arch>ForCausalLM`` whose LM head applies each row's domain's
@@ -22,28 +22,16 @@ from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM
 from transformers.utils import logging
 
 from .blocks import BlockAdapter, block_linear_targets
+from .generation import (ROUTE_ATTR, default_position_ids, prefill_route_state, route_step_inputs, routing_mask,
+                         store_route_sums)
 from .hooks import AUTO_INDEX, NONE_INDEX, DartsCall, PendingRoute, attach, resolve_route, set_active_call
 from .routing import DomainModules, DomainRouter, route_rows
-from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors
+from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors, damaged_file_error
 
 logger = logging.get_logger(__name__)
 
 NONE_DOMAIN = "none"
 AUTO_DOMAIN = "auto"  # each row's domain is picked by the router from its prompt (docs/routing.md)
-_ROUTE_ATTR = "_darts_route_sums"  # on a KV cache object: the routing sums of its sequences' prompts
-
-
-def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) -> torch.Tensor:
-    """Position ids of the current tokens when the caller gave none, as ``generate`` derives them:
-    from a 2-D attention mask (cumsum - 1, so left padding is skipped; padding gets 0), else
-    ``arange`` after the cached length (a tensor for static caches: no host sync). The last
-    ``seq_len`` columns are the current tokens."""
-    if attention_mask is not None and attention_mask.dim() == 2:
-        positions = attention_mask.long().cumsum(-1) - 1
-        positions = positions.masked_fill(attention_mask == 0, 0)
-        return positions[:, -seq_len:]
-    past = cache.get_seq_length() if cache is not None else 0
-    return (torch.arange(seq_len, device=device) + past).unsqueeze(0)
 
 
 class DartsMixin:
@@ -95,6 +83,8 @@ class DartsMixin:
                                    adapted_linears=[(index, path) for index, paths in (targets or {}).items()
                                                     for path in paths])
         attach(self)
+        # None is "none": lm-eval turns darts_domain=none into None, and from_pretrained's keyword reaches the
+        # config the way config.json's value does (output/check.py refuses a null written in config.json)
         default = getattr(self.config, "darts_domain", None)
         self.set_darts_domain(NONE_DOMAIN if default is None else default)
 
@@ -113,6 +103,11 @@ class DartsMixin:
                                               **{**kwargs, "ignore_mismatched_sizes": True})
             check_darts_tensors(nn.Module(), source, info.get("mismatched_keys") or ())
             raise
+        except Exception as error:  # safetensors' own error names no file (a truncated darts.safetensors, ...)
+            damaged = damaged_file_error(error, source.rpartition("/")[0])
+            if damaged is None:
+                raise
+            raise damaged from error
         check_darts_tensors(model.darts, source, info.get("mismatched_keys") or ())
         model._warn_missing_darts(info.get("missing_keys") or ())
         attach(model)  # a quantizer may have swapped the adapted linears while loading
@@ -136,9 +131,8 @@ class DartsMixin:
             )
 
     def _init_weights(self, module):
-        # Called for parameters missing from the checkpoint. The generic init would draw up/position
-        # bias from N(0, 0.02) (or leave garbage); the surgery must start as the identity instead.
-        # transformers.initialization's functions skip tensors that were loaded.
+        # Called for parameters missing from the checkpoint: the surgery starts as the identity, not the generic
+        # N(0, 0.02) (transformers.initialization's functions skip tensors that were loaded).
         if isinstance(module, DomainSurgery):
             init.kaiming_uniform_(module.down.weight, a=5**0.5)
             init.zeros_(module.up.weight)
@@ -231,30 +225,33 @@ class DartsMixin:
             torch._assert_async(valid.all(), message)
         return rows.to(device=device, dtype=torch.long, copy=True)  # never written into: the caller's stays
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                logits_to_keep=0, darts_domain=None, darts_rows=None, darts_route=None, darts_route_state=None,
-                darts_routed_rows=None, darts_prompt_mask=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, darts_domain=None, darts_rows=None, darts_route=None,
+                darts_route_state=None, darts_routed_rows=None, darts_prompt_mask=None, **kwargs):
         """``darts_domain``: see ``_call_plan``. ``darts_prompt_mask`` [B, T]: the current tokens that
         are real prompt tokens, for "auto" rows with a 4-D ``attention_mask``. ``darts_rows`` (validated
         per-row indices) is what ``generate`` hands every step; with "auto" rows its prefill calls also
         get ``darts_route="prefill"``, the routing sums ``darts_route_state`` they add to and
         ``darts_routed_rows``, written with the routed rows that the later steps get as ``darts_rows``."""
-        # The parent's parameters by name: generate() inspects the signature for position_ids and
-        # logits_to_keep, the Trainer for labels (a column it would otherwise drop from the batches).
-        call_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        # The parent's parameters by name: generate() inspects the signature for position_ids, cache, use_cache
+        # and logits_to_keep (a user's cache= / past_key_values= is refused unless named here), the Trainer for
+        # labels (a column it would otherwise drop from the batches).
+        if cache is None:  # transformers' deprecated name of cache
+            cache = kwargs.pop("past_key_values", None)
+        call_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                           inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                           logits_to_keep=logits_to_keep, **kwargs)
         embeds = input_ids if input_ids is not None else inputs_embeds
         if embeds is None:  # let the parent raise its own error
-            return super().forward(**call_kwargs)
+            return self._forward_without_correction(call_kwargs)
         batch, length = embeds.shape[:2]
         plan = ((None, darts_rows, darts_route == "prefill") if darts_rows is not None
                 else self._call_plan(darts_domain, batch, embeds.device))
         if plan is None:
-            return super().forward(**call_kwargs)
+            return self._forward_without_correction(call_kwargs)
         if not torch.compiler.is_compiling():
             attach(self)
         domain, rows, may_route = plan
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if position_ids is None:
             # the position the surgery was trained on: the token's index within its sequence
             position_ids = default_position_ids(length, attention_mask, cache, embeds.device)
@@ -278,8 +275,17 @@ class DartsMixin:
         if route is not None and darts_route is None and route.sums is not None:
             out_cache = getattr(outputs, "cache", None) or getattr(outputs, "past_key_values", None)
             if out_cache is not None:  # a manual loop passes this cache back: later calls keep the routing
-                setattr(out_cache, _ROUTE_ATTR, route.sums)
+                store_route_sums(out_cache, route.sums)
         return outputs
+
+    def _forward_without_correction(self, call_kwargs):
+        # no call is active while it runs: a forward started inside another one (from a hook) neither
+        # applies nor routes the outer call, which is active again afterwards
+        previous = set_active_call(None)
+        try:
+            return super().forward(**call_kwargs)
+        finally:
+            set_active_call(previous)
 
     def _pending_route(self, attention_mask, prompt_mask, step, state, routed, cache, batch,
                        length) -> PendingRoute:
@@ -288,10 +294,10 @@ class DartsMixin:
         the routing sums), which takes those sums; generate's prefill calls add to its carried sums."""
         router = self.darts.router
         to_domain = tuple(self.darts_domains.index(name) for name in router.domains)
-        mask = self._routing_mask(prompt_mask, attention_mask, length)
+        mask = routing_mask(prompt_mask, attention_mask, length)
         if step == "prefill":  # generate: every prefill chunk adds its tokens to the carried sums
             return PendingRoute(router, to_domain, mask=mask, state=state, accumulate=True, routed=routed)
-        carried = getattr(cache, _ROUTE_ATTR, None) if cache is not None else None
+        carried = getattr(cache, ROUTE_ATTR, None) if cache is not None else None
         if carried is None or carried.shape[0] != batch:
             return PendingRoute(router, to_domain, mask=mask)
         past = cache.get_seq_length()
@@ -300,19 +306,6 @@ class DartsMixin:
         if past == 0:  # an emptied cache (reset) starts a new sequence
             return PendingRoute(router, to_domain, mask=mask)
         return PendingRoute(router, to_domain, state=carried, pool=False)
-
-    @staticmethod
-    def _routing_mask(prompt_mask, attention_mask, length):
-        """[B, length]: which current tokens are real prompt tokens (None: all of them)."""
-        mask = prompt_mask if prompt_mask is not None else attention_mask
-        if mask is None:
-            return None
-        if mask.dim() != 2:
-            raise ValueError(
-                f"darts_domain='auto': the router averages the prompt's real tokens, but attention_mask has shape "
-                f"{tuple(mask.shape)}; pass darts_prompt_mask=[batch, tokens] (1 at real tokens) with a "
-                "custom mask (generate does this itself from its 2-D mask)")
-        return mask[:, -length:]
 
     def generate(self, *args, darts_domain=None, **kwargs):
         # A per-row index tensor (on the model's device) goes to every step as ``darts_rows``; generate
@@ -330,35 +323,37 @@ class DartsMixin:
         else:
             kwargs["darts_rows"] = plan[1].to(device)
             if plan[2] and bool((plan[1] == AUTO_INDEX).any()):
-                kwargs["darts_route_state"] = torch.zeros(batch, self.config.hidden_size + 1, dtype=torch.float32,
-                                                          device=device)
+                kwargs["darts_route_state"] = prefill_route_state(kwargs.get("cache", kwargs.get("past_key_values")),
+                                                                  batch, self.config.hidden_size, device)
                 kwargs["darts_routed_rows"] = kwargs["darts_rows"].clone()
+                kwargs["darts_prompt_length"] = inputs.shape[1] if inputs is not None else None
         return super().generate(*args, **kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, attention_mask=None,
-                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, darts_prompt_length=None,
+                                      **kwargs):
         # the parent's parameters by name: generate inspects this signature (inputs_embeds forwarding)
         inputs = super().prepare_inputs_for_generation(
-            input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
         if kwargs.get("darts_route_state") is not None:
-            if is_first_iteration:
-                inputs["darts_route"] = "prefill"
-                # the 2-D mask, before the parent made a 4-D one of it for a static cache
-                if attention_mask is not None and attention_mask.dim() == 2:
-                    current = inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
-                    inputs["darts_prompt_mask"] = attention_mask[:, -current.shape[1]:]
-            else:  # decoding: the rows the prefill routed, nothing to route or write
-                inputs["darts_rows"] = inputs.pop("darts_routed_rows")
-                inputs.pop("darts_route_state")
+            route_step_inputs(inputs, input_ids, attention_mask, is_first_iteration, darts_prompt_length)
         return inputs
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        # assisted / speculative decoding: the assistant drafts with its own settings (a plain model takes no
+        # darts_* keyword, a Darts one its own default domain); only this model's forwards get this call's
+        if isinstance(kwargs.get("model_kwargs"), dict):
+            kwargs["model_kwargs"] = {key: value for key, value in kwargs["model_kwargs"].items()
+                                      if not key.startswith("darts_")}
+        return super()._get_candidate_generator(*args, **kwargs)
 
     @torch.no_grad()
     def route_domains(self, input_ids, attention_mask=None) -> "list[str]":
         """The domain the router picks for each row of ``input_ids`` [B, T] ("none" below its
         threshold), exactly as ``darts_domain="auto"`` would at prefill. Changes nothing."""
         self._domain_index(AUTO_DOMAIN)  # a clear error when there is no router
-        mask = self._routing_mask(None, attention_mask, input_ids.shape[1])
+        mask = routing_mask(None, attention_mask, input_ids.shape[1])
         positions = default_position_ids(input_ids.shape[1], attention_mask, None, input_ids.device)
         seen = {}
         handle = None
@@ -367,10 +362,13 @@ class DartsMixin:
             handle = first.register_forward_pre_hook(
                 lambda module, args, kwargs: seen.update(hidden=args[0] if args else kwargs["hidden_states"]),
                 with_kwargs=True)
+        # no call active: uncorrected, also when called from a hook inside a forward (whose call is restored)
+        previous = set_active_call(None)
         try:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                                use_cache=False).last_hidden_state  # final-norm output; no call active: uncorrected
+                                use_cache=False).last_hidden_state  # the final norm's output
         finally:
+            set_active_call(previous)
             if handle is not None:
                 handle.remove()
         hidden = seen.get("hidden", hidden)

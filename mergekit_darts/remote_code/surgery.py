@@ -279,6 +279,24 @@ def check_darts_tensors(darts: nn.Module, source: str, mismatched_keys=()) -> No
                              "every corrected logit would be NaN; the file is damaged: export the surgery again")
 
 
+def damaged_file_error(error: BaseException, directory: str) -> Optional[ValueError]:
+    """safetensors' ``SafetensorError`` (a truncated or otherwise damaged weight file) names no file: the
+    one-line error that does, or None for any other error. The file is the one transformers was opening
+    (its ``file`` variable in the traceback; this module reads no file), else the directory's."""
+    if type(error).__name__ != "SafetensorError":
+        return None
+    name = None
+    trace = error.__traceback__
+    while trace is not None:
+        candidate = trace.tb_frame.f_locals.get("file")
+        if isinstance(candidate, str) and candidate.endswith(".safetensors"):
+            name = candidate
+        trace = trace.tb_next
+    where = name if name is not None else f"a weight file (*.safetensors) in {directory}"
+    return ValueError(f"{where}: damaged or truncated safetensors file ({error}); copy it again, or export the "
+                      "surgery again with mergekit-darts")
+
+
 def _offloaded(root: nn.Module, name: str) -> Optional[torch.Tensor]:
     """The value of an accelerate-offloaded tensor ``name`` of ``root`` (None if it cannot be found)."""
     parts = name.split(".")

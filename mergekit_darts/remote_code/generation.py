@@ -1,0 +1,125 @@
+"""What the emitted model derives as ``generate`` does, and what ``generate`` carries between its forwards
+for ``darts_domain="auto"`` rows (docs/design.md §5, docs/routing.md).
+
+Imports torch only; copied into every output directory. The routing sums
+(``routing.prompt_state_sums``: [B, H + 1]) that the prefill adds the prompt's states to start at zero,
+or, when the caller's cache already holds a prefix, at the sums an ``"auto"`` forward stored on it; the
+prompt is what the prefill routes on, never the draft tokens of assisted or prompt-lookup decoding.
+"""
+
+import threading
+from typing import Optional
+
+import torch
+
+ROUTE_ATTR = "_darts_route_sums"  # on a KV cache object: the routing sums of its sequences' prompts
+
+
+def default_position_ids(seq_len, attention_mask=None, cache=None, device=None) -> torch.Tensor:
+    """Position ids of the current tokens when the caller gave none, as ``generate`` derives them:
+    from a 2-D attention mask (cumsum - 1, so left padding is skipped; padding gets 0), else
+    ``arange`` after the cached length (a tensor for static caches: no host sync). The last
+    ``seq_len`` columns are the current tokens."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        positions = attention_mask.long().cumsum(-1) - 1
+        positions = positions.masked_fill(attention_mask == 0, 0)
+        return positions[:, -seq_len:]
+    past = cache.get_seq_length() if cache is not None else 0
+    return (torch.arange(seq_len, device=device) + past).unsqueeze(0)
+
+
+def prefill_route_state(cache, batch: int, hidden_size: int, device) -> torch.Tensor:
+    """The routing sums generate's prefill starts from. A cache that already holds tokens (prefix caching,
+    a conversation's earlier turns) must carry their sums: the router reads the whole prompt's states,
+    which a KV cache does not keep, and routing the new tokens alone would silently pick another domain."""
+    past = 0 if cache is None else int(cache.get_seq_length())  # once per generate call: a host sync is fine
+    if past == 0:
+        return torch.zeros(batch, hidden_size + 1, dtype=torch.float32, device=device)
+    carried = getattr(cache, ROUTE_ATTR, None)
+    if carried is None or carried.shape[0] != batch:
+        raise ValueError(
+            f"darts_domain='auto': the cache passed to generate already holds {past} tokens, but not the routing of "
+            f"{'them' if carried is None else f'{batch} rows (it has {carried.shape[0]})'}: the router reads the whole "
+            "prompt's states, which a KV cache does not keep. Fill the cache with an 'auto' forward "
+            "(model(prefix_ids, use_cache=True, darts_domain='auto').cache), or name the domain "
+            "(model.route_domains(full_prompt_ids) gives the router's pick)")
+    return carried.to(device=device, dtype=torch.float32).clone()  # generate adds to it: the cache's stays
+
+
+def route_step_inputs(inputs: dict, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      is_first_iteration: bool, prompt_length: Optional[int]) -> None:
+    """Complete one step's forward inputs of a generation with "auto" rows: a prefill call (each chunk of a
+    chunked prefill) routes and adds its prompt tokens to the sums; a decoding step gets the rows the
+    prefill routed as its rows, and nothing to route or write.
+
+    The prompt is the first ``prompt_length`` columns of the sequence: assisted and prompt-lookup
+    decoding feed the prompt together with their first draft tokens, which must not be routed on."""
+    if not is_first_iteration:
+        inputs["darts_rows"] = inputs.pop("darts_routed_rows")
+        inputs.pop("darts_route_state")
+        return
+    inputs["darts_route"] = "prefill"
+    current = (inputs["input_ids"] if inputs.get("input_ids") is not None else inputs["inputs_embeds"]).shape[1]
+    # the 2-D mask, before the parent made a 4-D one of it for a static cache
+    mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    if mask is None and attention_mask is None and prompt_length is not None and input_ids.shape[1] > prompt_length:
+        mask = torch.ones_like(input_ids)  # no mask given: every token is real, the drafts are not prompt
+    if mask is None:
+        return
+    if prompt_length is not None and mask.shape[1] > prompt_length:
+        mask = torch.cat([mask[:, :prompt_length], torch.zeros_like(mask[:, prompt_length:])], dim=1)
+    inputs["darts_prompt_mask"] = mask[:, -current:]
+
+
+def routing_mask(prompt_mask, attention_mask, length):
+    """[B, length]: which current tokens are real prompt tokens (None: all of them)."""
+    mask = prompt_mask if prompt_mask is not None else attention_mask
+    if mask is None:
+        return None
+    if mask.dim() != 2:
+        raise ValueError(
+            f"darts_domain='auto': the router averages the prompt's real tokens, but attention_mask has shape "
+            f"{tuple(mask.shape)}; pass darts_prompt_mask=[batch, tokens] (1 at real tokens) with a "
+            "custom mask (generate does this itself from its 2-D mask)")
+    return mask[:, -length:]
+
+
+# --- routing sums kept on a caller's cache (a hand-written loop) --------------------------------------
+
+_ROUTED_CACHE_CLASSES: dict = {}
+_CLASS_LOCK = threading.Lock()
+
+
+def _routed_cache_class(base: type) -> type:
+    """A subclass of the cache class ``base`` (same ``__name__``) whose row operations (beam search's
+    ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``) apply to the routing sums
+    too, so each row keeps its own prompt's routing when a loop reorders the cache."""
+    with _CLASS_LOCK:
+        if base in _ROUTED_CACHE_CLASSES:
+            return _ROUTED_CACHE_CLASSES[base]
+
+        def with_rows(operation, rows_of):
+            def method(self, argument):
+                result = getattr(base, operation)(self, argument)
+                sums = getattr(self, ROUTE_ATTR, None)
+                if sums is not None:
+                    setattr(self, ROUTE_ATTR, rows_of(sums, argument))
+                return result
+            return method
+
+        routed = type(base.__name__, (base,), {
+            "reorder_cache": with_rows("reorder_cache", lambda sums, rows: sums.index_select(0, rows.to(sums.device))),
+            "batch_select_indices": with_rows("batch_select_indices", lambda sums, rows: sums[rows.to(sums.device)]),
+            "batch_repeat_interleave": with_rows("batch_repeat_interleave",
+                                                 lambda sums, repeats: sums.repeat_interleave(repeats, dim=0)),
+            "_darts_routed": True, "__module__": __name__, "__qualname__": f"_DartsRouted{base.__qualname__}"})
+        _ROUTED_CACHE_CLASSES[base] = routed
+        return routed
+
+
+def store_route_sums(cache, sums: torch.Tensor) -> None:
+    """Keep ``sums`` [B, H + 1] on ``cache`` for the later calls of a hand-written loop. Outside a compiled
+    region the cache's class becomes ``_routed_cache_class`` of it, so reordering its rows reorders them."""
+    if not getattr(type(cache), "_darts_routed", False) and not torch.compiler.is_compiling():
+        cache.__class__ = _routed_cache_class(type(cache))
+    setattr(cache, ROUTE_ATTR, sums)
