@@ -1,0 +1,93 @@
+"""Tables of docs/quality.md "Starting from the weight deltas" from benchmarks/results/quality_synthesis.json:
+the data-free extract (``extract_all{r}``) against the same adapters trained from it (``best_delta{r}``)
+by rank, and the six-seed comparison with today's ``preset: best`` (``best_all1``), Mann–Whitney U.
+
+    python benchmarks/delta_init_tables.py [--json]
+
+The runs come from ``bench_synthesis.py`` (condition ``real50``: the demo's 50 prompts per domain);
+every (variant, seed) found under any tag is pooled.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import RESULTS_DIR  # noqa: E402
+
+DOMAINS = ("math", "code", "instruct")
+RANKS = (1, 2, 4, 8, 16)
+
+
+def pooled(condition: str = "real50") -> dict:
+    """{variant: {seed: result}} over every tag of quality_synthesis.json."""
+    with open(os.path.join(RESULTS_DIR, "quality_synthesis.json")) as handle:
+        runs = json.load(handle)["runs"]
+    found: dict = {}
+    for run in runs.values():
+        for variant, seeds in run.get("results", {}).get(condition, {}).items():
+            found.setdefault(variant, {}).update(seeds)
+    return found
+
+
+def _mean(values):
+    return statistics.mean(values) if values else None
+
+
+def summary(results: dict, variant: str) -> dict:
+    seeds = results.get(variant, {})
+    scored = [r for r in seeds.values() if r.get("scores")]
+    return {
+        "seeds": sorted(int(s) for s in seeds),
+        "scores": {d: _mean([r["scores"][d] for r in scored]) for d in DOMAINS},
+        "gap_closed": {d: _mean([r["domains"][d]["gap_closed"] for r in seeds.values()]) for d in DOMAINS},
+        "train_s_median": {d: statistics.median([r["domains"][d]["train_seconds"] for r in seeds.values()])
+                           if seeds else None for d in DOMAINS},
+        "parameters": {d: next(iter(seeds.values()))["domains"][d]["parameters"] if seeds else None for d in DOMAINS},
+        "share_7b": (next(iter(seeds.values())).get("share_7b") or {}).get("share") if seeds else None,
+    }
+
+
+def mann_whitney(results: dict, a: str, b: str) -> dict:
+    from scipy.stats import mannwhitneyu
+
+    out = {}
+    for domain in DOMAINS:
+        xs = [r["scores"][domain] for r in results.get(a, {}).values() if r.get("scores")]
+        ys = [r["scores"][domain] for r in results.get(b, {}).values() if r.get("scores")]
+        if len(xs) >= 2 and len(ys) >= 2:
+            out[domain] = float(mannwhitneyu(xs, ys, alternative="two-sided").pvalue)
+    return out
+
+
+def _cells(values, digits=1):
+    return " / ".join("–" if v is None else f"{v:.{digits}f}" for v in values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    results = pooled()
+    table = {v: summary(results, v) for v in [*(f"extract_all{r}" for r in RANKS), *(f"best_delta{r}" for r in RANKS),
+                                              "best_all1", "best_all8", "kl"] if v in results}
+    tests = {"best_delta8 vs best_all1": mann_whitney(results, "best_delta8", "best_all1"),
+             "best_delta8 vs extract_all8": mann_whitney(results, "best_delta8", "extract_all8")}
+    if args.json:
+        print(json.dumps({"variants": table, "mann_whitney_p": tests}, indent=1))
+        return
+    print("| variant | seeds | task scores math / code / instruct | gap closed | train s (median) | params (demo) |")
+    print("|---|---|---|---|---|---|")
+    for variant, row in table.items():
+        print(f"| `{variant}` | {len(row['seeds'])} | {_cells(row['scores'].values())} | "
+              f"{_cells(row['gap_closed'].values(), 3)} | {_cells(row['train_s_median'].values(), 0)} | "
+              f"{row['parameters']['math']:,} |")
+    for name, ps in tests.items():
+        print(f"Mann–Whitney p ({name}): " + ", ".join(f"{d} {p:.3f}" for d, p in ps.items()))
+
+
+if __name__ == "__main__":
+    main()
