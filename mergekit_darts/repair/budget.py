@@ -10,6 +10,9 @@ from typing import Dict, List, Tuple
 # Llama-2-7B: hidden 4096, vocabulary 32000, 32 layers, MLP 11008, untied embeddings and head
 SHAPE_7B = {"hidden_size": 4096, "vocab_size": 32000, "layers": 32, "intermediate_size": 11008}
 BUDGET_SHARE = 1e-3
+# What a preset may add per domain: a rank-8 LoRA on every linear of the 7B shape with the rank-64
+# content correction and position table beside it (0.3355 %), a common per-task size in multi-LoRA serving
+PRESET_SHARE = 3.4e-3
 
 
 def model_parameters(hidden_size: int, vocab_size: int, layers: int, intermediate_size: int) -> int:
