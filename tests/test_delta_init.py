@@ -92,14 +92,34 @@ def test_zero_init_reports_the_extract_beside_the_trained_module(tiny_family, tm
         assert entry["baseline"]["held_out_kl"]["after"] != pytest.approx(entry["held_out_kl"]["after"], rel=1e-2)
 
 
-def test_training_starts_from_the_extract(extract_output, tiny_family, tmp_path):
-    """Trained from the extract, the same baseline is reported and the training moved away from it."""
-    _, trained = _run(tiny_family, tmp_path, steps=5, adapter_init="delta", head_rank=2)
+def test_mergekit_yaml_with_preset_best_trains_from_the_extract(extract_output, tiny_family, tmp_path):
+    """The unchanged ``mergekit-yaml`` with ``preset: best`` (adapter_init: delta, every block): the
+    report's baseline is the extract of the same merge, and training moved away from it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import QUICK_TEXTS, merge_yaml
+
+    domains = "".join(f"    {name}:\n      model: {tiny_family[name]}\n"
+                      f"      calibration: {{texts: {QUICK_TEXTS[name]}, samples: 3}}\n" for name in ("math", "code"))
+    config = tmp_path / "cfg.yml"
+    config.write_text(merge_yaml(tiny_family) + "surgery:\n  preset: best\n  rank: 2\n  depth_rank: 2\n  head_rank: 2\n"
+                      f"  max_positions: 16\n  steps: 5\n  lr: 0.01\n  device: cpu\n  held_out: 0.34\n"
+                      f"  cache_dir: {tmp_path / 'cache'}\n  domains:\n" + domains)
+    out = tmp_path / "out"
+    result = subprocess.run([str(Path(sys.executable).parent / "mergekit-yaml"), str(config), str(out)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data-free extract (rank 2 + head 2" in result.stderr
+    trained = json.loads((out / "darts_report.json").read_text())
+    assert trained["surgery"]["adapter_init"] == "delta" and trained["surgery"]["depth"] == 2
     for name, entry in extract_output[1]["domains"].items():
+        # the same merge, so the same extract; the trained adapters moved away from it
         assert trained["domains"][name]["baseline"]["held_out_kl"]["after"] == pytest.approx(
-            entry["baseline"]["held_out_kl"]["after"], rel=1e-6)
+            entry["baseline"]["held_out_kl"]["after"], rel=1e-5)
         assert trained["domains"][name]["held_out_kl"]["after"] != pytest.approx(entry["held_out_kl"]["after"], rel=1e-3)
-    assert trained["surgery"]["adapter_init"] == "delta"
 
 
 def test_depth_0_has_no_extract_and_delta_needs_something_to_start(tiny_family, tmp_path):
