@@ -14,7 +14,6 @@ whole model: peak memory is one linear of each model and its float32 difference.
 """
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
@@ -24,8 +23,6 @@ from tqdm.auto import tqdm
 
 from mergekit_darts.errors import FormatError
 from mergekit_darts.output import layout
-
-LOG = logging.getLogger(__name__)
 
 # Up to this smaller side the SVD is exact (LAPACK / cuSOLVER), as mergekit-extract-lora computes it;
 # above it on a CPU, randomized (torch.svd_lowrank): an exact SVD of a 4096 x 11008 matrix takes tens
