@@ -76,9 +76,13 @@ def main() -> None:
                                               "best_all1", "best_all8", "kl"] if v in results}
     tests = {"best_delta8 vs best_all1": mann_whitney(results, "best_delta8", "best_all1"),
              "best_delta8 vs extract_all8": mann_whitney(results, "best_delta8", "extract_all8")}
+    with open(os.path.join(RESULTS_DIR, "quality_synthesis.json")) as handle:  # the same family's references
+        references = json.load(handle)["runs"].get("delta_references", {}).get("references", {})
     if args.json:
-        print(json.dumps({"variants": table, "mann_whitney_p": tests}, indent=1))
+        print(json.dumps({"references": references, "variants": table, "mann_whitney_p": tests}, indent=1))
         return
+    for name, scores in references.items():
+        print(f"reference {name}: " + " / ".join(f"{scores[d]:.0f}" for d in DOMAINS))
     print("| variant | seeds | task scores math / code / instruct | gap closed | train s (median) | params (demo) |")
     print("|---|---|---|---|---|---|")
     for variant, row in table.items():

@@ -341,9 +341,8 @@ class SurgeryConfig(_Strict):
         return self.default_domain if self.default_domain is not None else next(iter(self.domains))
 
 
-# What each preset sets; keys written in the YAML win. "paper": the defaults spelled out. "best": the
-# highest six-seed mean held-out gap closed with the demo's 50 prompts, within budget.PRESET_SHARE
-# (quality_synthesis.json, "real50"; docs/quality.md).
+# Keys written in the YAML win. "paper": the defaults spelled out. "best": the highest six-seed mean held-out
+# gap with the demo's 50 prompts, within budget.PRESET_SHARE (quality_synthesis.json "real50"; docs/quality.md).
 PRESETS: Dict[str, Dict[str, Any]] = {
     "paper": {"method": "darts", "loss": "ewl1", "content": "relu", "rank": 16, "head_rank": 0, "steps": 500, "lr": 1.0e-3},
     "best": {"method": "darts", "loss": "kl", "content": "relu", "rank": 64, "head_rank": 0, "steps": 500, "lr": 1.0e-3,
@@ -362,7 +361,8 @@ def expand_preset(data: Any) -> Any:
     filled = {k: v for k, v in PRESETS[preset].items() if not (k == "lr" and "lr_candidates" in data)}
     if data.get("depth") == 0:  # the preset's block adapters turned off: their rank would be an ignored key
         filled.pop("depth_rank", None)
-        filled.pop("adapter_init", None) if not data.get("head_rank") else None  # nothing to start from deltas
+        if not data.get("head_rank"):  # nor the start from the deltas: nothing left to start
+            filled.pop("adapter_init", None)
     return {**filled, **data}
 
 

@@ -15,7 +15,7 @@ from mergekit_darts.errors import DeviceError, FormatError, MergeConfigError, fi
 from mergekit_darts.model_paths import check_local_model, check_merge_model_paths
 from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
                                                surgery_inputs)
-from mergekit_darts.preflight_counts import check_selection_prompts, check_synthesis_cost  # noqa: F401
+from mergekit_darts.preflight_counts import check_selection_prompts, check_synthesis_cost
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from mergekit_darts.errors import FoldError, FormatError
 from mergekit_darts.output import card, layout
-from mergekit_darts.output.layout import DARTS_SHARD, INDEX, SINGLE_SHARD, SINGLE_WEIGHTS
+from mergekit_darts.output.layout import DARTS_SHARD, INDEX, SINGLE_WEIGHTS
 from mergekit_darts.remote_code.surgery import SurgeryShape
 
 LOG = logging.getLogger(__name__)
@@ -133,15 +133,8 @@ def merged_head_source(out_dir: str, config: dict) -> str:
     raise FormatError(f"{out_dir}: neither {HEAD_KEY} nor {EMBED_KEY} in the merged weights")
 
 
-def shard_path(out_dir: str, name: str) -> str:
-    path = os.path.join(out_dir, name)
-    if name == SINGLE_SHARD and not os.path.exists(path):
-        return os.path.join(out_dir, SINGLE_WEIGHTS)  # a merge that was never exported
-    return path
-
-
 def read_merged_tensor(out_dir: str, name: str) -> torch.Tensor:
-    with safe_open(shard_path(out_dir, layout.merged_weight_map(out_dir)[name]), framework="pt") as handle:
+    with safe_open(layout.shard_path(out_dir, layout.merged_weight_map(out_dir)[name]), framework="pt") as handle:
         return handle.get_tensor(name)
 
 
@@ -202,7 +195,7 @@ def write_weights(out_dir: str, dest: str, replace: Dict[str, torch.Tensor]) -> 
     single = len(files) == 1
     total, new_map = 0, {}
     for file_name in files:
-        source = shard_path(out_dir, file_name)
+        source = layout.shard_path(out_dir, file_name)
         header = layout.safetensors_header(source)
         target_name = SINGLE_WEIGHTS if single else file_name
         with safe_open(source, framework="pt") as handle:

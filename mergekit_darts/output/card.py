@@ -113,8 +113,7 @@ def _baseline_lines(by_domain: dict) -> list:
              "training; what `mergekit-extract-lora` gives), on the same held-out records:", "",
              "| Domain | Extract | KL gap closed: extract / trained | Greedy exact match: extract / trained |",
              "|---|---|---|---|"]
-    return lines + [f"| `{name}` | {size} | {gap.replace(' | ', ' / ')} | {exact.replace(' | ', ' / ')} |"
-                    for name, (size, gap, exact) in rows]
+    return lines + [f"| `{name}` | {size} | {' / '.join(gap)} | {' / '.join(exact)} |" for name, (size, gap, exact) in rows]
 
 
 def _behaviour_cell(behaviour: Optional[dict]) -> str:

@@ -202,6 +202,15 @@ def merged_weight_map(out_dir: str) -> Dict[str, str]:
     )
 
 
+def shard_path(model_dir: str, name: str) -> str:
+    """The file of ``merged_weight_map``'s entry ``name`` (its single-file name is ``model.safetensors``
+    until the export renames it)."""
+    path = os.path.join(model_dir, name)
+    if name == SINGLE_SHARD and not os.path.exists(path):
+        return os.path.join(model_dir, SINGLE_WEIGHTS)  # a merge that was never exported, or any plain model
+    return path
+
+
 def merged_parameter_count(out_dir: str) -> int:
     """Parameters of the merged weights (darts tensors excluded), from the safetensors headers."""
     total = 0

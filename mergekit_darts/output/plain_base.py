@@ -22,9 +22,9 @@ from typing import Dict, List
 
 from mergekit_darts.output import layout
 from mergekit_darts.output.bake import (
-    EMBED_KEY, HEAD_KEY, copy_plain_files, merged_head_source, read_merged_tensor, shard_path, write_safetensors,
+    EMBED_KEY, HEAD_KEY, copy_plain_files, merged_head_source, read_merged_tensor, write_safetensors,
 )
-from mergekit_darts.output.layout import INDEX, SINGLE_WEIGHTS
+from mergekit_darts.output.layout import INDEX, SINGLE_WEIGHTS, shard_path
 
 LOG = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ and print the table from an output directory's ``darts_report.json``."""
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mergekit_darts.console import format_table, pack
 from mergekit_darts.repair.report.plot import plot_bias
@@ -38,10 +38,10 @@ def behaviour_cells(behaviour: Optional[Dict[str, Any]]):
             f"{before['first_disagreement']:.1f} -> {after['first_disagreement']:.1f}"]
 
 
-def baseline_cells(entry: Dict[str, Any]) -> Optional[List[str]]:
-    """(extract size, KL gap closed, greedy exact match), each 'data-free extract | trained', of a
-    domain whose report has a measured ``baseline`` (the untrained delta-initialised adapters); None
-    when it has none."""
+def baseline_cells(entry: Dict[str, Any]) -> Optional[Tuple[str, Tuple[str, str], Tuple[str, str]]]:
+    """(extract size, KL gap closed, greedy exact match) of a domain whose report has a measured
+    ``baseline`` (the untrained delta-initialised adapters), the last two as (data-free extract,
+    trained); None when it has none."""
     baseline = entry.get("baseline") or {}
     if "held_out_kl" not in baseline:
         return None
@@ -53,8 +53,8 @@ def baseline_cells(entry: Dict[str, Any]) -> Optional[List[str]]:
         return f"{100 * behaviour['after']['exact_match']:.0f}%" if behaviour and "after" in behaviour else "-"
 
     size = f"rank {baseline['rank']}" + (f" + head {baseline['head_rank']}" if baseline.get("head_rank") else "")
-    return [f"{size}, {baseline['parameters']:,} params", f"{gap(baseline['held_out_kl'])} | {gap(entry.get('held_out_kl'))}",
-            f"{exact(baseline.get('behaviour'))} | {exact(entry.get('behaviour'))}"]
+    return (f"{size}, {baseline['parameters']:,} params", (gap(baseline["held_out_kl"]), gap(entry.get("held_out_kl"))),
+            (exact(baseline.get("behaviour")), exact(entry.get("behaviour"))))
 
 
 def baseline_line(entry: Dict[str, Any]) -> List[str]:
@@ -62,15 +62,15 @@ def baseline_line(entry: Dict[str, Any]) -> List[str]:
     cells = baseline_cells(entry)
     if cells is None:
         return []
-    extract, trained = cells[1].split(" | ")
-    return [f"  data-free extract ({cells[0]}): KL gap closed {extract} (trained {trained})"]
+    size, (extract, trained), _ = cells
+    return [f"  data-free extract ({size}): KL gap closed {extract} (trained {trained})"]
 
 
 def baseline_lines(report: Dict[str, Any]) -> List[str]:
     """The data-free extract beside the trained correction, per domain (empty when none was measured)."""
     rows = [["domain", "data-free extract", "KL gap closed: extract | trained", "exact match: extract | trained"]]
-    rows += [[name, *cells] for name, entry in report.get("domains", {}).items()
-             if (cells := baseline_cells(entry)) is not None]
+    rows += [[name, size, " | ".join(gap), " | ".join(exact)] for name, entry in report.get("domains", {}).items()
+             if (cells := baseline_cells(entry)) is not None for size, gap, exact in [cells]]
     if len(rows) == 1:
         return []
     return ["", "What training added to the data-free extract (the same adapters started from the truncated SVD",

@@ -13,8 +13,6 @@ Tensors are read one at a time from the safetensors files (single file or sharde
 whole model: peak memory is one linear of each model and its float32 difference.
 """
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -61,18 +59,11 @@ class SafetensorsWeights:
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
-        index = os.path.join(model_dir, layout.INDEX)
-        single = os.path.join(model_dir, layout.SINGLE_WEIGHTS)
-        if os.path.isfile(single):
-            self.files = {name: single for name in layout.safetensors_header(single) if name != "__metadata__"}
-        elif os.path.isfile(index):
-            with open(index, encoding="utf-8") as handle:
-                weight_map = json.load(handle)["weight_map"]
-            self.files = {name: os.path.join(model_dir, f) for name, f in weight_map.items()
-                          if f != layout.DARTS_SHARD and not name.startswith(layout.DARTS_TENSOR_PREFIX)}
-        else:
-            raise FormatError(f"{model_dir}: no {layout.SINGLE_WEIGHTS} or {layout.INDEX}; adapter_init: delta "
-                              "reads the weights from safetensors files (save the model with safe serialization)")
+        try:  # the export's own reader: single file or index, darts entries of an earlier export left out
+            weight_map = layout.merged_weight_map(model_dir)
+        except FormatError as error:
+            raise FormatError(f"{error} (adapter_init: delta and the report's baseline read the weights)") from None
+        self.files = {name: layout.shard_path(model_dir, file) for name, file in weight_map.items()}
 
     def name_ending(self, suffix: str) -> str:
         """The one tensor whose name is ``suffix`` or ends with ``.suffix``."""
