@@ -141,7 +141,8 @@ def finetune_expert(base: str, tokenizer, examples: List[dict], out: str, steps:
     return progress
 
 
-def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: int = 0) -> dict:
+def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: int = 0, test: int = TEST,
+          calib: int = CALIB) -> dict:
     from transformers import AutoTokenizer
 
     from real_model_check import find_gguf, save_base
@@ -159,7 +160,7 @@ def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: in
         save_base(find_gguf(gguf, workdir), base)
         record["base_seconds"] = round(time.perf_counter() - clock, 1)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    splits = chat_splits(tokenizer, seed)
+    splits = chat_splits(tokenizer, seed, calib=calib, test=test)
     os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
     for domain, parts in splits.items():
         with open(os.path.join(workdir, "data", f"{domain}.json"), "w") as handle:
