@@ -2,6 +2,15 @@
 
 import os
 import shutil
+import tempfile
+
+# `pytest -n 2` (the README's command) runs two worker processes: each gets its own cache of
+# trust_remote_code modules (transformers copies the emitted modeling files there; two workers
+# writing the same files at once could import a half-written one) and one torch thread, so the two
+# workers share the two cores instead of oversubscribing them
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix=f"hf_modules_{os.environ['PYTEST_XDIST_WORKER']}_")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
