@@ -37,15 +37,15 @@ ROUTE_TOKENS = (16, 32, 64)
 # what 2 cores allow: kl through the 49k head on 256 sampled positions a step; the preset's block
 # adapters on every layer cost a whole forward and backward of the 30 layers per step
 KL_POSITIONS = 256
-BEST_STEPS, BEST_BATCH = 60, 8
+BEST_STEPS, BEST_BATCH = 30, 8
 
 SURGERY_ROWS = [
     ("darts_ewl1", "DARTS + EWL1 (the paper's method)", {"method": "darts", "loss": "ewl1"}),
     ("darts_kl", "DARTS + KL", {"method": "darts", "loss": "kl", "kl_positions_per_step": KL_POSITIONS}),
-    ("extract_all8", "Data-free extract, rank 8 in every block (no training)",
-     {"loss": "kl", "depth": "all", "depth_rank": 8, "adapter_init": "delta", "steps": 0}),
     ("best", f"preset: best ({BEST_STEPS} steps, batch {BEST_BATCH})",
      {"preset": "best", "steps": BEST_STEPS, "batch_size": BEST_BATCH, "kl_positions_per_step": KL_POSITIONS}),
+    ("extract_all8", "Data-free extract, rank 8 in every block (no training)",
+     {"loss": "kl", "depth": "all", "depth_rank": 8, "adapter_init": "delta", "steps": 0}),
 ]
 ALL_ROWS = ["base", "experts", "merge_ta", "merge_ties"] + [key for key, _, _ in SURGERY_ROWS]
 
