@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random model families built on the fly (nothing is downloaded)."""
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -10,6 +11,7 @@ import tempfile
 # workers share the two cores instead of oversubscribing them
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix=f"hf_modules_{os.environ['PYTEST_XDIST_WORKER']}_")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
