@@ -51,6 +51,7 @@ ALL_ROWS = ["base", "experts", "merge_ta", "merge_ties"] + [key for key, _, _ in
 
 
 def peak_rss_gib() -> float:
+    """The process's peak so far (ru_maxrss never falls): a row's figure includes the rows before it."""
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
 
 
