@@ -21,9 +21,10 @@ import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -47,7 +48,9 @@ SURGERY_ROWS = [
     ("extract_all8", "Data-free extract, rank 8 in every block (no training)",
      {"loss": "kl", "depth": "all", "depth_rank": 8, "adapter_init": "delta", "steps": 0}),
 ]
-ALL_ROWS = ["base", "experts", "merge_ta", "merge_ties"] + [key for key, _, _ in SURGERY_ROWS]
+# the paper's row again, through the mergekit-yaml command itself (merge + surgery in one process)
+CLI_ROW = ("cli_ewl1", "DARTS + EWL1 through the `mergekit-yaml` command", {"method": "darts", "loss": "ewl1"})
+ALL_ROWS = ["base", "experts", "merge_ta", "merge_ties"] + [key for key, _, _ in SURGERY_ROWS] + [CLI_ROW[0]]
 
 
 def peak_rss_gib() -> float:
@@ -76,7 +79,8 @@ def score(model, tokenizer, test: Dict[str, List[dict]], domains) -> Dict[str, f
     return scores
 
 
-def merge_yaml(workdir: str, method: str, surgery: bool, seed: int = 0, samples: int = 50) -> str:
+def merge_yaml(workdir: str, method: str, surgery: bool, seed: int = 0, samples: int = 50,
+               settings: Optional[dict] = None) -> str:
     lines = [f"merge_method: {method}", f"base_model: {os.path.join(workdir, 'base')}", "models:"]
     density = ", density: 0.5" if method == "ties" else ""
     for domain in DOMAINS:
@@ -85,7 +89,8 @@ def merge_yaml(workdir: str, method: str, surgery: bool, seed: int = 0, samples:
     if surgery:
         lines += ["surgery:", "  rank: 16", "  max_positions: 256", "  steps: 500", "  lr: 1.0e-3", f"  seed: {seed}",
                   "  device: cpu", "  dtype: float32", "  capture_batch_size: 10",
-                  f"  cache_dir: {os.path.join(workdir, 'capture_cache')}", "  default_domain: auto", "  domains:"]
+                  f"  cache_dir: {os.path.join(workdir, 'capture_cache')}", "  default_domain: auto"]
+        lines += [f"  {key}: {value}" for key, value in (settings or {}).items()] + ["  domains:"]
         for domain in DOMAINS:
             lines += [f"    {domain}:", f"      model: {os.path.join(workdir, f'expert_{domain}')}",
                       f"      calibration: {{path: {os.path.join(workdir, f'calib_{domain}.jsonl')}, field: chat, "
@@ -134,17 +139,18 @@ def run(workdir: str, rows: List[str], seed: int = 0) -> dict:
     from mergekit_darts.hook import original_run_merge
     from mergekit_darts.pipeline import merge_and_repair, run_surgery
 
-    table_path = os.path.join(workdir, "table.json")
+    # seed 0 has every row; another seed repeats the rows that depend on it (the repairs)
+    table_path = os.path.join(workdir, "table.json" if seed == 0 else f"table_seed{seed}.json")
     table = {"rows": {}, "labels": {}, "seconds": {}, "peak_rss_gib": {}, "routing": {}, "reports": {}}
     if os.path.exists(table_path):
         with open(table_path) as handle:
             table = json.load(handle)
 
-    def save(key, label, scores, started, **extra):
+    def save(key, label, scores, started, extra=None):
         table["rows"][key], table["labels"][key] = scores, label
         table["seconds"][key] = round(time.perf_counter() - started, 1)
         table["peak_rss_gib"][key] = peak_rss_gib()
-        for name, value in extra.items():
+        for name, value in (extra or {}).items():
             table[name][key] = value
         with open(table_path + ".tmp", "w") as handle:
             json.dump(table, handle, indent=1)
@@ -196,20 +202,45 @@ def run(workdir: str, rows: List[str], seed: int = 0) -> dict:
         if not os.path.exists(os.path.join(out, "config.json")):
             shutil.copytree(os.path.join(workdir, "merge_ta"), out)
         report = run_surgery(config, out, overrides=overrides, options=options, progress=False)
-        trained = time.perf_counter() - started
-        model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain=DOMAINS[0]).eval()
-        scores = {}
-        for domain in DOMAINS:
-            model.set_darts_domain(domain)
-            scores.update(score(model, tokenizer, test, [domain]))
-        routing = routing_shares(model, tokenizer, test, everyday_requests()) if model.darts.router is not None else None
-        summary = {d: {"held_out_kl": e.get("held_out_kl"), "baseline": e.get("baseline"),
-                       "train_seconds": e.get("train_seconds"), "final_loss": e.get("final_loss")}
-                   for d, e in report["domains"].items()}
-        summary["surgery_seconds"] = round(trained, 1)
-        summary["settings"] = overrides
-        save(key, label, scores, started, routing=routing, reports=summary)
+        scores, extra = repaired_row(out, report, overrides, started, tokenizer, test)
+        save(key, label, scores, started, extra)
+
+    if CLI_ROW[0] in todo:
+        key, label, settings = CLI_ROW
+        started = time.perf_counter()
+        out = os.path.join(workdir, key)
+        if not os.path.exists(os.path.join(out, "config.json")):
+            path = os.path.join(workdir, f"{key}.yml")
+            with open(path, "w") as handle:
+                handle.write(merge_yaml(workdir, "task_arithmetic", surgery=True, seed=seed, settings=settings,
+                                        samples=min(len(splits[d]["calib"]) for d in DOMAINS)))
+            command = [os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"), path, out]
+            with open(os.path.join(workdir, f"{key}.log"), "w") as log_file:
+                subprocess.run(command, check=True, stdout=log_file, stderr=subprocess.STDOUT)
+        with open(os.path.join(out, "darts_report.json")) as handle:
+            report = json.load(handle)
+        scores, extra = repaired_row(out, report, settings, started, tokenizer, test)
+        save(key, label, scores, started, extra)
     return table
+
+
+def repaired_row(out: str, report: dict, settings: dict, started: float, tokenizer, test):
+    """(scores, extra columns) of a repaired directory: each domain's scores with that domain active,
+    the router's shares, and the report's figures (held-out KL, baseline, seconds of each stage)."""
+    from transformers import AutoModelForCausalLM
+
+    surgery_seconds = time.perf_counter() - started
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain=DOMAINS[0]).eval()
+    scores = {}
+    for domain in DOMAINS:
+        model.set_darts_domain(domain)
+        scores.update(score(model, tokenizer, test, [domain]))
+    routing = routing_shares(model, tokenizer, test, everyday_requests()) if model.darts.router is not None else None
+    summary = {d: {"held_out_kl": e.get("held_out_kl"), "baseline": e.get("baseline"),
+                   "train_seconds": e.get("train_seconds"), "final_loss": e.get("final_loss")}
+               for d, e in report["domains"].items()}
+    summary.update(surgery_seconds=round(surgery_seconds, 1), settings=settings, stages=report.get("stages"))
+    return scores, {"routing": routing, "reports": summary}
 
 
 def markdown(table: dict) -> str:

@@ -18,8 +18,9 @@ from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surg
                                    split_yaml)
 from mergekit_darts.console import before_after
 from mergekit_darts.errors import io_error, yaml_error_line
+from mergekit_darts.repair.router_step import router_step  # noqa: F401  (benchmarks import it from here)
+from mergekit_darts.repair.stages import StageClock, stage_line
 from mergekit_darts.repair.train.domain import train_domain
-from mergekit_darts.repair.train.split import real_prompt_count, split_held_out
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -116,9 +117,10 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
     (docs/reliability.md)."""
     from mergekit_darts.output.staging import StagedOutput
 
-    stage = StagedOutput(out_path)
+    stage, clock = StagedOutput(out_path), StageClock(settings.device)
     try:
-        run_merge(merge_config, stage.path, options, config_source)
+        with clock.stage("merge"):
+            run_merge(merge_config, stage.path, options, config_source)
     except BaseException as error:
         stage.discard()
         failed = io_error(error, f"merge (staged for {out_path}, which is unchanged)")
@@ -129,7 +131,7 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
         say(f"merge written (staged for {out_path}); running {surgery.method} surgery on "
             f"{len(surgery.domains)} domain(s)")
     try:
-        report = repair_directory(stage.path, surgery, settings, texts=texts)
+        report = repair_directory(stage.path, surgery, settings, texts=texts, clock=clock)
     except BaseException as error:
         kept = stage.keep_plain_merge()
         if kept == os.path.realpath(out_path):
@@ -170,7 +172,7 @@ def summary_lines(report: dict) -> List[str]:
         from mergekit_darts.repair.router import summary_lines as router_lines
 
         lines += router_lines(report["router"])
-    return lines
+    return lines + stage_line(report.get("stages"))
 
 
 def run_surgery(
@@ -199,14 +201,17 @@ def run_surgery(
 # ---------------------------------------------------------------------------------------------- steps
 
 def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
-                     texts: Optional[Dict[str, List[str]]] = None) -> dict:
+                     texts: Optional[Dict[str, List[str]]] = None, clock: Optional[StageClock] = None) -> dict:
     """capture → train each domain → export on a merged directory. Atomic: on failure ``out_path``
-    stays a plain merge. ``texts``: each domain's calibration texts as the pre-merge checks loaded them."""
+    stays a plain merge. ``texts``: each domain's calibration texts as the pre-merge checks loaded them;
+    ``clock``: the run's stage clock (the merge's time already in it), timing each stage for the report."""
     surgery = resolve_from_model(surgery, out_path, settings.trust_remote_code)
     stage = say if settings.stage_lines else (lambda line: None)  # a log file gets lines, not bars
     stage(f"capturing hidden states: the merged model and {len(surgery.domains)} expert(s)")
-    ctx = capture_context(out_path, surgery, settings)
-    captured = capture_step(out_path, surgery, settings, texts, ctx=ctx)
+    clock = clock or StageClock(settings.device)
+    with clock.stage("capture"):
+        ctx = capture_context(out_path, surgery, settings)
+        captured = capture_step(out_path, surgery, settings, texts, ctx=ctx)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
                            "domains": {}}
     # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
@@ -214,8 +219,9 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     if captured.tail is not None:  # the merged model's decoder layers: whether depth adapts all of them
         report["surgery"]["layers"] = captured.tail.first + len(captured.tail.layers)
     for name, data in captured.domains.items():
-        trained = train_domain(name, data, captured.merged_head, surgery, settings, tail=captured.tail,
-                               merged_dir=out_path)
+        with clock.stage(f"train:{name}"):
+            trained = train_domain(name, data, captured.merged_head, surgery, settings, tail=captured.tail,
+                                   merged_dir=out_path)
         modules[name] = trained.module
         report["domains"][name] = trained.entry
         LOG.info("domain %s: %s", name, before_after(trained.entry["bias"], f"{_split_label(trained.entry)} bias"))
@@ -224,10 +230,14 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
         report["depth"] = captured.tail.coverage()  # which weights of the adapted blocks carry adapters
     router = None
     if surgery.router_enabled:
-        router, report["router"] = router_step(out_path, captured, surgery, settings, ctx=ctx)
+        with clock.stage("router"):
+            router, report["router"] = router_step(out_path, captured, surgery, settings, ctx=ctx)
     default = _checked_default(report, surgery)
     stage("exporting the corrections" + (" and the router" if router is not None else ""))
-    export_step(out_path, surgery, modules, report, router, default_domain=default)
+    report["stages"] = clock.as_report()  # the file's stages end here: the export writes it
+    with clock.stage("export"):
+        export_step(out_path, surgery, modules, report, router, default_domain=default)
+    report["stages"] = clock.as_report()
     return report
 
 
@@ -324,61 +334,6 @@ def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,
     captured = capture_domains(ctx, specs, depth=surgery.depth)
     check_finite_capture(captured, surgery, settings, out_path)
     return captured
-
-
-def router_step(out_path: str, captured, surgery: SurgeryConfig, settings: RunSettings, ctx=None):
-    """Train the domain router on the captured prompt states (docs/routing.md): prompt prefixes,
-    classifier and gate chosen in cross-validation on the training records; measured on the
-    surgery's held-out records and on ``router_eval`` (or swapped domains). Returns (router, entry)."""
-    from mergekit_darts.repair.router_train import train_router
-
-    # the greedy rows only: a sampled continuation repeats its prompt, whose pooled state would then
-    # sit on both sides of the router's held-out split
-    # with depth the router reads the first adapted block's input (where the emitted model routes)
-    # and the user's prompts only (synthesized ones are the expert's guesses at them)
-    states = {name: _router_states(data, real_prompt_count(data)) for name, data in captured.domains.items()}
-    splits = {name: split_held_out(s.records, surgery.held_out, settings.seed) for name, s in states.items()}
-    eval_states = None
-    if surgery.router_eval is not None:
-        ctx = ctx or capture_context(out_path, surgery, settings)
-        eval_data = _capture_router_eval(ctx, surgery, settings)
-        eval_states = _router_states(eval_data)
-    return train_router(states, splits, threshold=surgery.router_threshold, fallback_rate=surgery.router_fallback,
-                        kind=surgery.router_kind, seed=settings.seed, eval_states=eval_states)
-
-
-def _router_states(data, rows: Optional[int] = None):
-    """The captured prompts as the router sees them: the merged states where the emitted model routes,
-    over the prompt tokens (``rows``: the first rows only)."""
-    from mergekit_darts.repair.router_prefix import PromptStates
-
-    view = _router_view(data)
-    rows = view.merged_hidden.shape[0] if rows is None else rows
-    return PromptStates(view.merged_hidden[:rows], view.prompt_lengths[:rows])
-
-
-def _router_view(data):
-    """The captured domain as the router sees it: its merged states where the emitted model routes."""
-    import dataclasses
-
-    if getattr(data, "block_inputs", None) is None:
-        return data
-    return dataclasses.replace(data, merged_hidden=data.block_inputs)
-
-
-def _capture_router_eval(ctx, surgery: SurgeryConfig, settings: RunSettings):
-    from mergekit_darts.calibration_text import truncate_for_positions
-    from mergekit_darts.repair.capture.calibration import apply_chat_template, load_calibration_texts
-    from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
-
-    where = "surgery.router_eval"
-    texts = load_calibration_texts(surgery.router_eval, settings.seed, where)
-    texts = truncate_for_positions(texts, surgery.max_positions, ctx.tokenizer)[0]  # before tokenizing
-    if surgery.router_eval.chat_template:
-        texts = apply_chat_template(texts, ctx.tokenizer, where=f"{where}.chat_template")
-    spec = DomainCaptureSpec(name="router_eval", expert=ctx.merged_dir, texts=texts,
-                             add_special_tokens=not surgery.router_eval.chat_template)
-    return capture_merged_prompts(ctx, spec, depth=surgery.depth)
 
 
 def export_step(out_path: str, surgery: SurgeryConfig, modules: Dict[str, Any], report: dict,

@@ -85,6 +85,14 @@ def test_mergekit_yaml_runs_the_surgery_block(tiny_family, tmp_path):
     assert (out / "modeling_darts.py").is_file() and (out / "darts_report.json").is_file()
     report = json.loads((out / "darts_report.json").read_text())
     assert report["domains"]["math"]["calibration"]["train"] + report["domains"]["math"]["calibration"]["held_out"] == 10
+    # each stage timed; the file's stages end before the export (which writes it), the console line has it
+    stages = report["stages"]
+    assert list(stages) == ["merge", "capture", "train:math", "train:code", "router"]
+    assert all(entry["seconds"] > 0 and entry["peak_rss_gib_so_far"] > 0.1 for entry in stages.values())
+    assert stages["merge"]["peak_rss_gib_so_far"] <= stages["train:code"]["peak_rss_gib_so_far"]
+    stage_line = [line for line in result.stderr.splitlines() if line.startswith("mergekit-darts: stages: merge ")]
+    assert len(stage_line) == 1 and ", train math " in stage_line[0] and ", export " in stage_line[0], result.stderr[-2000:]
+    assert "; peak RSS " in stage_line[0] and "GPU peak" not in stage_line[0]
 
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     tok = AutoTokenizer.from_pretrained(out)

@@ -82,8 +82,12 @@ def test_table_rows_through_the_pipeline(tokenizer, tmp_path):
     record = real_family.build(work, steps={d: 2 for d in tasks.DOMAINS}, test=3, calib=10)
     assert set(record["experts"]) == set(tasks.DOMAINS)
     assert real_family.build(work, steps={d: 2 for d in tasks.DOMAINS}, test=3, calib=10) == record  # nothing redone
-    table = real_table.run(work, ["base", "merge_ta", "extract_all8"])
-    assert set(table["rows"]) == {"base", "merge_ta", "extract_all8"}
+    table = real_table.run(work, ["base", "merge_ta", "extract_all8", "cli_ewl1"])
+    assert set(table["rows"]) == {"base", "merge_ta", "extract_all8", "cli_ewl1"}
+    # the mergekit-yaml command merged and repaired in one process, each stage timed
+    assert list(table["reports"]["cli_ewl1"]["stages"]) == ["merge", "capture", *(f"train:{d}" for d in tasks.DOMAINS),
+                                                            "router"]
+    assert list(table["reports"]["extract_all8"]["stages"])[0] == "capture"
     assert all(set(scores) == set(tasks.DOMAINS) for scores in table["rows"].values())
     summary = table["reports"]["extract_all8"]
     assert summary["math"]["baseline"]["rank"] == 8 and summary["settings"]["steps"] == 0

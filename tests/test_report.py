@@ -112,3 +112,22 @@ def test_plot_and_render_report(tmp_path):
         render_report(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="bias"):
         plot_bias({"domains": {"x": {}}}, str(tmp_path / "x.png"))
+
+
+def test_stage_clock_times_each_stage_and_the_report_table_shows_them():
+    import time
+
+    from mergekit_darts.repair.stages import StageClock
+
+    clock = StageClock("cpu")
+    with clock.stage("capture"):
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError), clock.stage("train:math"):  # a failed stage is still timed
+        raise RuntimeError("boom")
+    stages = clock.as_report()
+    assert list(stages) == ["capture", "train:math"] and stages["capture"]["seconds"] >= 0.05
+    assert "cuda_peak_gib" not in stages["capture"] and stages["capture"]["peak_rss_gib_so_far"] > 0.05
+    stages["capture"]["seconds"], stages["train:math"]["seconds"] = 80.4, 19.6
+    table = summary_table({"domains": {}, "stages": stages})
+    assert f"stages: capture 80 s, train math 20 s; peak RSS {stages['train:math']['peak_rss_gib_so_far']:.1f} GiB" in table
+    assert "stages:" not in summary_table({"domains": {}})

@@ -136,6 +136,9 @@ def summary_table(report: Dict[str, Any]) -> str:
             share, _, formula = describe_share(share_of_7b(settings)).partition(": ")
             head += [f"parameters: {share}"] + pack(formula.split(" + "), first="  ", indent="    ", separator=" + ")
         lines = head + [""] + lines
+    from mergekit_darts.repair.stages import stage_line
+
+    lines += [""] + stage_line(report.get("stages")) if report.get("stages") else []
     lines += ["", "All on the held-out calibration records ('measured on'); lower is better except the cut and gap.",
               "L1 / EW-L1: mean (entropy-weighted) L1 distance of the final hidden state to the expert's;",
               "  L1 cut: 1 - after/before. KL: KL(expert || model) of the next-token distribution",

@@ -1,0 +1,64 @@
+"""The surgery's router step: the captured prompt states as the router reads them (the merged states
+where the emitted model routes), ``router_eval``'s capture, and the router's training (docs/routing.md)."""
+
+from typing import Optional
+
+from mergekit_darts.repair.train.split import real_prompt_count, split_held_out
+
+
+def router_step(out_path: str, captured, surgery, settings, ctx=None):
+    """Train the domain router on the captured prompt states (docs/routing.md): prompt prefixes,
+    classifier and gate chosen in cross-validation on the training records; measured on the
+    surgery's held-out records and on ``router_eval`` (or swapped domains). ``surgery`` and
+    ``settings``: the run's SurgeryConfig and RunSettings. Returns (router, entry)."""
+    from mergekit_darts.repair.router_train import train_router
+
+    # the greedy rows only: a sampled continuation repeats its prompt, whose pooled state would then
+    # sit on both sides of the router's held-out split
+    # with depth the router reads the first adapted block's input (where the emitted model routes)
+    # and the user's prompts only (synthesized ones are the expert's guesses at them)
+    states = {name: _router_states(data, real_prompt_count(data)) for name, data in captured.domains.items()}
+    splits = {name: split_held_out(s.records, surgery.held_out, settings.seed) for name, s in states.items()}
+    eval_states = None
+    if surgery.router_eval is not None:
+        from mergekit_darts.pipeline import capture_context  # the run's one way to open a capture
+
+        ctx = ctx or capture_context(out_path, surgery, settings)
+        eval_data = _capture_router_eval(ctx, surgery, settings)
+        eval_states = _router_states(eval_data)
+    return train_router(states, splits, threshold=surgery.router_threshold, fallback_rate=surgery.router_fallback,
+                        kind=surgery.router_kind, seed=settings.seed, eval_states=eval_states)
+
+
+def _router_states(data, rows: Optional[int] = None):
+    """The captured prompts as the router sees them: the merged states where the emitted model routes,
+    over the prompt tokens (``rows``: the first rows only)."""
+    from mergekit_darts.repair.router_prefix import PromptStates
+
+    view = _router_view(data)
+    rows = view.merged_hidden.shape[0] if rows is None else rows
+    return PromptStates(view.merged_hidden[:rows], view.prompt_lengths[:rows])
+
+
+def _router_view(data):
+    """The captured domain as the router sees it: its merged states where the emitted model routes."""
+    import dataclasses
+
+    if getattr(data, "block_inputs", None) is None:
+        return data
+    return dataclasses.replace(data, merged_hidden=data.block_inputs)
+
+
+def _capture_router_eval(ctx, surgery, settings):
+    from mergekit_darts.calibration_text import truncate_for_positions
+    from mergekit_darts.repair.capture.calibration import apply_chat_template, load_calibration_texts
+    from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
+
+    where = "surgery.router_eval"
+    texts = load_calibration_texts(surgery.router_eval, settings.seed, where)
+    texts = truncate_for_positions(texts, surgery.max_positions, ctx.tokenizer)[0]  # before tokenizing
+    if surgery.router_eval.chat_template:
+        texts = apply_chat_template(texts, ctx.tokenizer, where=f"{where}.chat_template")
+    spec = DomainCaptureSpec(name="router_eval", expert=ctx.merged_dir, texts=texts,
+                             add_special_tokens=not surgery.router_eval.chat_template)
+    return capture_merged_prompts(ctx, spec, depth=surgery.depth)
