@@ -147,3 +147,49 @@ def test_router_eval_sets_the_out_of_domain_side_and_one_record_domains_still_tr
     one, one_entry = train_router(tiny, {n: (torch.tensor([0]), torch.tensor([1])) for n in tiny}, seed=0)
     assert one.kind == "centroid" and one_entry["calibration"]["threshold"].startswith("default")
     assert math.isclose(one.threshold, 0.02)
+
+
+def _chat_family(generator, template=24, records=40):
+    """Three domains whose records all open with the same ``template`` states (a chat template's
+    system prompt and user header, which causal attention makes identical) and then carry their
+    domain's tokens; ``everyday`` has the template and then tokens of none of the domains."""
+    shared = [torch.randn(HIDDEN, generator=generator) for _ in range(template)]
+    centres = {name: torch.nn.functional.normalize(torch.randn(HIDDEN, generator=generator), dim=0)
+               for name in ("math", "code", "instruct", "everyday")}
+
+    def family(name):
+        return _states(generator, records, template + 30,
+                       lambda t: shared[t] if t < template else centres[name] + 0.5 * torch.randn(HIDDEN, generator=generator))
+    return {name: family(name) for name in centres}
+
+
+def test_prefixes_count_after_a_shared_chat_template_so_foreign_requests_fall_back(monkeypatch):
+    import mergekit_darts.repair.router_train as router_train
+    from mergekit_darts.repair.router_prefix import shared_prefix_length
+
+    states = _chat_family(torch.Generator().manual_seed(0))
+    everyday = states.pop("everyday")
+    assert shared_prefix_length(list(states.values())) == 24
+    assert shared_prefix_length([states["math"].subset(torch.tensor([0]))]) == int(states["math"].lengths[0]) - 1
+    noisy = PromptStates(states["code"].hidden + 1e-5 * torch.randn(states["code"].hidden.shape), states["code"].lengths)
+    assert shared_prefix_length([states["math"], noisy]) == 24  # batched kernels' last bits
+    # measured "16 tokens" are 16 after the template
+    assert torch.equal(measured_prefixes(states["math"], (16,), shared=24)["16"][1], states["math"].lengths.clamp(max=40))
+    rows, lengths = training_prefixes(states["math"], torch.Generator().manual_seed(1), count=4, shared=24)
+    whole = states["math"].lengths[rows]
+    assert (lengths >= torch.minimum(whole, torch.tensor(24 + 4))).all() and (lengths <= whole).all()
+
+    splits = _split(states)
+    router, entry = train_router(states, splits, seed=0)
+    assert entry["calibration"]["shared_prefix_tokens"] == 24
+    foreign = float((router.route(pooled_at(everyday, (None,))["all"]) == NO_ROUTE).float().mean())
+    for index, name in enumerate(states):
+        unseen = pooled_at(states[name].subset(splits[name][1]), (None,))["all"]
+        routed = router.route(unseen)  # the conformal gate lets about 5 % of a domain fall back
+        assert ((routed == index) | (routed == NO_ROUTE)).all() and int((routed == index).sum()) >= 9, name
+    # prefixes counted from the first token teach the gate that bare template is in-domain
+    monkeypatch.setattr(router_train, "shared_prefix_length", lambda states: 0)
+    before, _ = train_router(states, splits, seed=0)
+    foreign_before = float((before.route(pooled_at(everyday, (None,))["all"]) == NO_ROUTE).float().mean())
+    # the template stays in the pooled state (the shipped pooling), so not every foreign request falls back
+    assert foreign_before == 0.0 and foreign >= 0.2, (foreign, foreign_before)

@@ -6,6 +6,12 @@ on the pooled states of its first ``l`` tokens: ``normalize(mean_{t < l} h_t)``,
 (``remote_code.routing.pool_prompt_states``) applied to the record cut after ``l`` tokens. Causal
 attention makes the states of those tokens the same as the cut prompt's own, so nothing is run again:
 a running sum over the captured states gives every prefix at once.
+
+Chat prompts all start with the same template (a system prompt, the user header): tokens that say
+nothing about the domain and that every real prompt has. Prefix lengths count the tokens *after*
+that shared start (``shared_prefix_length``): "16 tokens" is a 16-token user turn, not a cut inside
+the system prompt, which no real prompt is and which would teach the gate that any prompt may look
+like bare template (on SmolLM2 it then sent no everyday request to ``none``; docs/routing.md).
 """
 
 from dataclasses import dataclass
@@ -44,6 +50,25 @@ class PromptStates:
         return PromptStates(self.hidden[rows], self.lengths[rows])
 
 
+def shared_prefix_length(states: Sequence[PromptStates], tolerance: float = 1e-2) -> int:
+    """Leading positions at which every record of every domain has the same state (up to
+    ``tolerance`` of its norm: batched kernels differ in the last bits), kept below the shortest
+    prompt so every record has a token of its own. Causal attention makes that the shared template."""
+    present = [s for s in states if s.records]
+    if not present:
+        return 0
+    shortest = int(min(int(s.lengths.min()) for s in present))
+    reference = present[0].hidden[0, :shortest].float()  # [L, H]
+    scale = reference.norm(dim=-1).clamp_min(1e-6)
+    same = torch.ones(shortest, dtype=torch.bool)
+    for s in present:
+        gap = (s.hidden[:, :shortest].float() - reference).norm(dim=-1).amax(dim=0)  # [L]
+        same &= gap <= tolerance * scale
+    differs = torch.nonzero(~same).flatten()
+    shared = int(differs[0]) if differs.numel() else shortest
+    return max(0, min(shared, shortest - 1))
+
+
 def pool_prefixes(states: PromptStates, rows: torch.Tensor, lengths: torch.Tensor,
                   batch_size: int = 64) -> torch.Tensor:
     """[M, H] float32 unit vectors: record ``rows[i]`` pooled over its first ``lengths[i]`` tokens."""
@@ -64,30 +89,32 @@ def pool_prefixes(states: PromptStates, rows: torch.Tensor, lengths: torch.Tenso
 
 
 def training_prefixes(states: PromptStates, generator: torch.Generator, count: int = TRAIN_PREFIXES,
-                      shortest: int = SHORTEST_PREFIX) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(rows, lengths): every record whole, plus ``count`` random prefixes of it, their lengths drawn
-    log-uniformly from [shortest, whole record] (short prompts change fastest as they grow)."""
+                      shortest: int = SHORTEST_PREFIX, shared: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(rows, lengths): every record whole, plus ``count`` random prefixes of it: ``shared`` template
+    tokens and then a number drawn log-uniformly from [shortest, the rest of the record] (short
+    prompts change fastest as they grow)."""
     rows, lengths = [torch.arange(states.records)], [states.lengths]
     if count > 0 and states.records:
-        full = states.lengths.float().clamp_min(1)
+        full = (states.lengths - shared).float().clamp_min(1)
         low = torch.minimum(torch.full_like(full, float(shortest)), full)
         draw = torch.rand(states.records, count, generator=generator)
         drawn = torch.exp(low.log().unsqueeze(1) + draw * (full.log() - low.log()).unsqueeze(1))
         rows.append(torch.arange(states.records).repeat_interleave(count))
-        lengths.append(drawn.round().long().clamp(min=1).flatten())
+        lengths.append(shared + drawn.round().long().clamp(min=1).flatten())
     return torch.cat(rows), torch.minimum(torch.cat(lengths), states.lengths[torch.cat(rows)])
 
 
-def measured_prefixes(states: PromptStates, prefix_lengths: Sequence[Optional[int]] = PREFIX_LENGTHS
-                      ) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """{label: (rows, lengths)}: each record cut to each measured length (a shorter record whole)."""
+def measured_prefixes(states: PromptStates, prefix_lengths: Sequence[Optional[int]] = PREFIX_LENGTHS,
+                      shared: int = 0) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """{label: (rows, lengths)}: each record cut to ``shared`` + each measured length (a shorter
+    record whole)."""
     rows = torch.arange(states.records)
-    return {prefix_label(n): (rows, states.lengths if n is None else states.lengths.clamp(max=n))
+    return {prefix_label(n): (rows, states.lengths if n is None else states.lengths.clamp(max=shared + n))
             for n in prefix_lengths}
 
 
-def pooled_at(states: PromptStates, prefix_lengths: Sequence[Optional[int]] = PREFIX_LENGTHS
+def pooled_at(states: PromptStates, prefix_lengths: Sequence[Optional[int]] = PREFIX_LENGTHS, shared: int = 0
               ) -> Dict[str, torch.Tensor]:
-    """{label: [N, H]} every record pooled at each measured prefix length."""
+    """{label: [N, H]} every record pooled at each measured prefix length (after ``shared`` tokens)."""
     return {label: pool_prefixes(states, rows, lengths)
-            for label, (rows, lengths) in measured_prefixes(states, prefix_lengths).items()}
+            for label, (rows, lengths) in measured_prefixes(states, prefix_lengths, shared).items()}

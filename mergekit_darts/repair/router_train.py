@@ -28,7 +28,7 @@ import torch
 from mergekit_darts.remote_code.routing import NO_ROUTE, DomainRouter
 from mergekit_darts.repair.router import DEFAULT_THRESHOLD, NONE_LABEL, fit_router
 from mergekit_darts.repair.router_prefix import (PREFIX_LENGTHS, TRAIN_PREFIXES, PromptStates, pool_prefixes,
-                                                 pooled_at, prefix_label, training_prefixes)
+                                                 pooled_at, prefix_label, shared_prefix_length, training_prefixes)
 
 LOG = logging.getLogger(__name__)
 
@@ -41,11 +41,11 @@ LABELS = [prefix_label(n) for n in PREFIX_LENGTHS]
 class Pooled:
     """A domain's states pooled once: training prefixes (with their record) and measured prefixes."""
 
-    def __init__(self, states: PromptStates, generator: torch.Generator):
+    def __init__(self, states: PromptStates, generator: torch.Generator, shared: int = 0):
         self.records = states.records
-        rows, lengths = training_prefixes(states, generator, TRAIN_PREFIXES)
+        rows, lengths = training_prefixes(states, generator, TRAIN_PREFIXES, shared=shared)
         self.train_rows, self.train = rows, pool_prefixes(states, rows, lengths)
-        self.measured = pooled_at(states)
+        self.measured = pooled_at(states, shared=shared)
 
     def training(self, records: torch.Tensor) -> torch.Tensor:
         return self.train[torch.isin(self.train_rows, records)]
@@ -155,12 +155,13 @@ def train_router(states: Dict[str, PromptStates], splits: Dict[str, Tuple[torch.
     prompts (out of domain), else the fallback is measured on swapped domains."""
     names = list(states)
     generator = torch.Generator().manual_seed(seed)
-    pooled = {name: Pooled(s, generator) for name, s in states.items()}
+    shared = shared_prefix_length(list(states.values()))  # a chat template: prefixes count after it
+    pooled = {name: Pooled(s, generator, shared) for name, s in states.items()}
     train = {name: splits[name][0] for name in names}
     smallest = min(int(rows.numel()) for rows in train.values())
     folds = min(folds, smallest)
     kinds = list(KINDS) if kind == "auto" else [kind]
-    calibration: dict = {"prefix_lengths": LABELS, "train_prefixes": TRAIN_PREFIXES}
+    calibration: dict = {"prefix_lengths": LABELS, "train_prefixes": TRAIN_PREFIXES, "shared_prefix_tokens": shared}
     if folds >= 2:
         restricted = {name: _restrict(p, train[name]) for name, p in pooled.items()}
         oof = cross_validate(restricted, kinds, folds, seed)
@@ -195,7 +196,9 @@ def train_router(states: Dict[str, PromptStates], splits: Dict[str, Tuple[torch.
              "accuracy": whole["accuracy"], "mean_accuracy": whole["mean_accuracy"], "confusion": whole["confusion"],
              "by_prefix": prefixes, "calibration": calibration}
     if eval_states is not None:
-        shares = _none_shares(router, pooled_at(eval_states))
+        # its own template when it has one (the same as the training prompts'), else from its first token
+        eval_shared = min(shared, shared_prefix_length([eval_states]))
+        shares = _none_shares(router, pooled_at(eval_states, shared=eval_shared))
         entry["out_of_domain"] = {"source": "router_eval", "records": eval_states.records,
                                   "none_share": shares["all"], "by_prefix": shares}
     else:
