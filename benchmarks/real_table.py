@@ -13,7 +13,7 @@ be stopped and resumed. Also measured: seconds and peak memory of each stage, an
 with a router the share of unseen prompts (their user turn cut to 16 / 32 / 64 tokens, and whole)
 routed to their own domain and the share of 60 everyday requests sent to ``none``.
 
-Usage: python benchmarks/real_table.py --workdir WORK [--rows a,b] [--seed 0]
+Usage: python benchmarks/real_table.py --workdir WORK [--rows a,b] [--seed 0] [--table NAME.json]
 """
 
 import argparse
@@ -49,8 +49,13 @@ SURGERY_ROWS = [
      {"loss": "kl", "depth": "all", "depth_rank": 8, "adapter_init": "delta", "steps": 0}),
 ]
 # the paper's row again, through the mergekit-yaml command itself (merge + surgery in one process)
-CLI_ROW = ("cli_ewl1", "DARTS + EWL1 through the `mergekit-yaml` command", {"method": "darts", "loss": "ewl1"})
-ALL_ROWS = ["base", "experts", "merge_ta", "merge_ties"] + [key for key, _, _ in SURGERY_ROWS] + [CLI_ROW[0]]
+# (the second with an empty capture cache of its own: the capture's seconds without the cache)
+CLI_ROWS = [
+    ("cli_ewl1", "DARTS + EWL1 through the `mergekit-yaml` command", {"method": "darts", "loss": "ewl1"}),
+    ("cli_ewl1_uncached", "DARTS + EWL1 through `mergekit-yaml`, nothing cached",
+     {"method": "darts", "loss": "ewl1", "cache_dir": None}),
+]
+ALL_ROWS = ["base", "experts", "merge_ta", "merge_ties"] + [key for key, _, _ in SURGERY_ROWS + CLI_ROWS]
 
 
 def peak_rss_gib() -> float:
@@ -89,8 +94,9 @@ def merge_yaml(workdir: str, method: str, surgery: bool, seed: int = 0, samples:
     if surgery:
         lines += ["surgery:", "  rank: 16", "  max_positions: 256", "  steps: 500", "  lr: 1.0e-3", f"  seed: {seed}",
                   "  device: cpu", "  dtype: float32", "  capture_batch_size: 10",
-                  f"  cache_dir: {os.path.join(workdir, 'capture_cache')}", "  default_domain: auto"]
-        lines += [f"  {key}: {value}" for key, value in (settings or {}).items()] + ["  domains:"]
+                  "  default_domain: auto"]
+        settings = {"cache_dir": os.path.join(workdir, "capture_cache"), **(settings or {})}
+        lines += [f"  {key}: {value}" for key, value in settings.items()] + ["  domains:"]
         for domain in DOMAINS:
             lines += [f"    {domain}:", f"      model: {os.path.join(workdir, f'expert_{domain}')}",
                       f"      calibration: {{path: {os.path.join(workdir, f'calib_{domain}.jsonl')}, field: chat, "
@@ -132,7 +138,7 @@ def everyday_requests() -> List[str]:
         return [json.loads(line)["instruction"] for line in handle if line.strip()]
 
 
-def run(workdir: str, rows: List[str], seed: int = 0) -> dict:
+def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] = None) -> dict:
     from mergekit.options import MergeOptions
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -140,7 +146,7 @@ def run(workdir: str, rows: List[str], seed: int = 0) -> dict:
     from mergekit_darts.pipeline import merge_and_repair, run_surgery
 
     # seed 0 has every row; another seed repeats the rows that depend on it (the repairs)
-    table_path = os.path.join(workdir, "table.json" if seed == 0 else f"table_seed{seed}.json")
+    table_path = os.path.join(workdir, table_name or ("table.json" if seed == 0 else f"table_seed{seed}.json"))
     table = {"rows": {}, "labels": {}, "seconds": {}, "peak_rss_gib": {}, "routing": {}, "reports": {}}
     if os.path.exists(table_path):
         with open(table_path) as handle:
@@ -205,11 +211,15 @@ def run(workdir: str, rows: List[str], seed: int = 0) -> dict:
         scores, extra = repaired_row(out, report, overrides, started, tokenizer, test)
         save(key, label, scores, started, extra)
 
-    if CLI_ROW[0] in todo:
-        key, label, settings = CLI_ROW
+    for key, label, settings in CLI_ROWS:
+        if key not in todo:
+            continue
         started = time.perf_counter()
         out = os.path.join(workdir, key)
         if not os.path.exists(os.path.join(out, "config.json")):
+            if "cache_dir" in settings:  # its own cache, emptied: every state captured afresh
+                settings = {**settings, "cache_dir": os.path.join(workdir, f"{key}_cache")}
+                shutil.rmtree(settings["cache_dir"], ignore_errors=True)
             path = os.path.join(workdir, f"{key}.yml")
             with open(path, "w") as handle:
                 handle.write(merge_yaml(workdir, "task_arithmetic", surgery=True, seed=seed, settings=settings,
@@ -257,6 +267,8 @@ def main(argv=None):
     parser.add_argument("--rows", default=",".join(ALL_ROWS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--table", default=None, help="file name in WORK for the rows (default table.json, "
+                        "table_seedN.json for --seed N): rows there are not run again")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -264,7 +276,7 @@ def main(argv=None):
     unknown = [row for row in args.rows.split(",") if row not in ALL_ROWS]
     if unknown:
         raise SystemExit(f"--rows: unknown row(s) {unknown}; choose from {ALL_ROWS}")
-    table = run(args.workdir, args.rows.split(","), args.seed)
+    table = run(args.workdir, args.rows.split(","), args.seed, args.table)
     print(markdown(table))
 
 
