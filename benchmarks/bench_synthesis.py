@@ -53,6 +53,11 @@ VARIANTS = {
        for r in (1, 2, 4, 8, 16)},
     **{f"best_delta{r}": {"loss": "kl", "rank": 64, "depth": 4, "depth_rank": r, "adapter_init": "delta",
                           "batch_size": 50} for r in (1, 2, 4, 8, 16)},
+    # with the head's delta at the same rank too (docs/quality.md "What each part ... adds")
+    "extract_all8_head8": {"loss": "kl", "depth": 4, "depth_rank": 8, "head_rank": 8, "adapter_init": "delta",
+                           "steps": 0},
+    "best_delta8_head8": {"loss": "kl", "rank": 64, "depth": 4, "depth_rank": 8, "head_rank": 8,
+                          "adapter_init": "delta", "batch_size": 50},
 }
 
 
