@@ -1,19 +1,20 @@
-"""Routing chat prompts on real weights: the router as the surgery trains it, with prompt prefixes
-counted from the first token (before) and after the chat template every prompt shares (now).
+"""Routing chat prompts on real weights: the router as the surgery trains it, reading the merge's
+final state or its token embeddings, with prompt prefixes counted from the first token (before) and
+after the chat template every prompt shares (now).
 
-On the SmolLM2-135M family of ``benchmarks/real_family.py`` (its work folder), the router of a
-``depth: all`` surgery reads the merged model's token embeddings (the first adapted block's input), so
-its training states are those embeddings: no model is run. For each variant: the surgery's split of
-the 50 calibration chats per domain (``held_out`` 0.2, seed 0), ``train_router`` as the surgery calls
-it, then the share of 100 unseen test prompts per domain routed to their own domain (the user turn cut
-to 16 / 32 / 64 tokens, and whole, inside SmolLM2's chat template with its default system prompt) and
-the share of 60 everyday requests (``benchmarks/data/general_instructions.jsonl``) sent to ``none``.
+On the SmolLM2-135M family of ``benchmarks/real_family.py`` (its work folder), the task-arithmetic
+merge's states are captured once at both places a router reads: the final norm's output (a surgery
+without block adapters) and the first block's input, the token embeddings (``depth: all``; issue 33,
+item 6). For each: the surgery's split of the 50 calibration chats per domain (``held_out`` 0.2, seed
+0), ``train_router`` as the surgery calls it, then the share of 100 unseen test prompts per domain
+routed to their own domain (the user turn cut to 16 / 32 / 64 tokens, and whole, inside SmolLM2's
+chat template with its default system prompt), the share of 60 everyday requests
+(``benchmarks/data/general_instructions.jsonl``) and of swapped domains sent to ``none``.
 
 Usage: python benchmarks/real_routing.py --workdir WORK [--out PATH] [--overwrite]
 """
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -27,66 +28,75 @@ from real_family import chat_prompt  # noqa: E402
 from real_table import DOMAINS, ROUTE_TOKENS, everyday_requests, load_splits  # noqa: E402
 
 
-def merged_embeddings(merge_dir: str) -> torch.Tensor:
-    from safetensors import safe_open
+def capture_states(workdir: str, groups: Dict[str, List[str]]) -> Dict[str, dict]:
+    """{"final" | "embeddings": {group: PromptStates}}: the merge's final states and its first block's
+    input (the token embeddings) over each group of chat prompts, from one capture of the merge."""
+    from mergekit_darts.config import parse_surgery_block
+    from mergekit_darts.pipeline import capture_context
+    from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
+    from mergekit_darts.repair.router_prefix import PromptStates
+    from mergekit_darts.settings import RunSettings
 
-    for path in sorted(glob.glob(os.path.join(merge_dir, "*.safetensors"))):
-        with safe_open(path, "pt") as handle:
-            if "model.embed_tokens.weight" in handle.keys():
-                return handle.get_tensor("model.embed_tokens.weight").float()
-    raise SystemExit(f"{merge_dir}: no model.embed_tokens.weight (run real_table.py's merge_ta row first)")
+    merged = os.path.join(workdir, "merge_ta")
+    with open(os.path.join(merged, "config.json")) as handle:
+        layers = json.load(handle)["num_hidden_layers"]
+    surgery = parse_surgery_block({
+        "max_positions": 256, "device": "cpu", "dtype": "float32", "seed": 0, "capture_batch_size": 10,
+        "cache_dir": os.path.join(workdir, "capture_cache"),
+        "domains": {"any": {"model": merged, "calibration": {"texts": ["unused"]}}}})
+    ctx = capture_context(merged, surgery, RunSettings.resolve(surgery, progress=False))
+    out = {"final": {}, "embeddings": {}}
+    for name, chats in groups.items():
+        data = capture_merged_prompts(ctx, DomainCaptureSpec(name=name, expert=merged, texts=chats,
+                                                             add_special_tokens=False), depth=layers)
+        out["final"][name] = PromptStates(data.merged_hidden, data.prompt_lengths)
+        out["embeddings"][name] = PromptStates(data.block_inputs, data.prompt_lengths)
+    return out
 
 
 def measure(workdir: str) -> Dict[str, dict]:
     import mergekit_darts.repair.router_train as router_train
-    from mergekit_darts.repair.router_prefix import PromptStates
+    from mergekit_darts.repair.router_prefix import pooled_at
     from mergekit_darts.repair.train.split import split_held_out
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(workdir, "base"))
-    embeddings = merged_embeddings(os.path.join(workdir, "merge_ta"))
     splits = load_splits(workdir)
-    everyday = everyday_requests()
-
-    def ids(chat: str) -> List[int]:
-        return tokenizer(chat, add_special_tokens=False)["input_ids"]
-
-    def states(chats: List[str]) -> PromptStates:
-        rows = [ids(chat) for chat in chats]
-        hidden = torch.zeros(len(rows), max(map(len, rows)), embeddings.shape[1])
-        for index, row in enumerate(rows):
-            hidden[index, :len(row)] = embeddings[row]
-        return PromptStates(hidden, torch.tensor([len(row) for row in rows]))
-
-    def pooled(chats: List[str]) -> torch.Tensor:  # the shipped pooling of a whole prompt
-        return torch.stack([torch.nn.functional.normalize(embeddings[ids(chat)].mean(0), dim=0) for chat in chats])
 
     def cut(prompt: str, tokens) -> str:
-        return prompt if tokens is None else tokenizer.decode(ids(prompt)[:tokens])
+        return prompt if tokens is None else tokenizer.decode(tokenizer(prompt, add_special_tokens=False)["input_ids"][:tokens])
 
-    calibration = {d: states([example["chat"] for example in splits[d]["calib"]]) for d in DOMAINS}
-    held = {d: split_held_out(calibration[d].records, 0.2, 0) for d in DOMAINS}
+    lengths = {"whole" if n is None else str(n): n for n in (*ROUTE_TOKENS, None)}
+    groups = {f"calib_{d}": [example["chat"] for example in splits[d]["calib"]] for d in DOMAINS}
+    groups.update({f"test_{d}_{label}": [chat_prompt(tokenizer, cut(ex["prompt"], n)) for ex in splits[d]["test"]]
+                   for d in DOMAINS for label, n in lengths.items()})
+    groups["everyday"] = [chat_prompt(tokenizer, text) for text in everyday_requests()]
+    captured = capture_states(workdir, groups)
     results = {}
-    for variant, forced in (("before: prefixes from the first token", 0), ("now: prefixes after the shared template", None)):
-        original = router_train.shared_prefix_length
-        if forced is not None:
-            router_train.shared_prefix_length = lambda states: forced
-        try:
-            router, entry = router_train.train_router(calibration, held, seed=0)
-        finally:
-            router_train.shared_prefix_length = original
-        own = {}
-        for tokens in (*ROUTE_TOKENS, None):
-            own["whole" if tokens is None else str(tokens)] = {
-                d: float((router.route(pooled([chat_prompt(tokenizer, cut(ex["prompt"], tokens))
-                                               for ex in splits[d]["test"]])) == i).float().mean())
-                for i, d in enumerate(DOMAINS)}
-        everyday_routes = router.route(pooled([chat_prompt(tokenizer, text) for text in everyday]))
-        results[variant] = {
-            "shared_prefix_tokens": entry["calibration"]["shared_prefix_tokens"], "kind": router.kind,
-            "threshold": round(router.threshold, 4), "own_domain": own,
-            "everyday_to_none": round(float((everyday_routes == -1).float().mean()), 3),
-            "swapped_domains_to_none": round(entry["out_of_domain"]["none_share"], 3)}
+    for where, states in captured.items():
+        calibration = {d: states[f"calib_{d}"] for d in DOMAINS}
+        held = {d: split_held_out(calibration[d].records, 0.2, 0) for d in DOMAINS}
+        for variant, forced in (("before", 0), ("now", None)):
+            original = router_train.shared_prefix_length
+            if forced is not None:  # prefixes counted from the first token, as before
+                router_train.shared_prefix_length = lambda states: forced
+            try:
+                router, entry = router_train.train_router(calibration, held, seed=0)
+            finally:
+                router_train.shared_prefix_length = original
+
+            def routed(name):
+                return router.route(pooled_at(states[name], (None,))["all"])
+
+            own = {label: {d: float((routed(f"test_{d}_{label}") == i).float().mean()) for i, d in enumerate(DOMAINS)}
+                   for label in lengths}
+            results[f"{where}, {variant}"] = {
+                "reads": "the merge's final state" if where == "final" else "the token embeddings (depth: all)",
+                "prefixes": "from the first token" if forced is not None else "after the shared template",
+                "shared_prefix_tokens": entry["calibration"]["shared_prefix_tokens"], "kind": router.kind,
+                "threshold": round(router.threshold, 4), "own_domain": own,
+                "everyday_to_none": round(float((routed("everyday") == -1).float().mean()), 3),
+                "swapped_domains_to_none": round(entry["out_of_domain"]["none_share"], 3)}
     return results
 
 
@@ -99,7 +109,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     results = measure(args.workdir)
     for variant, figures in results.items():
-        print(f"{variant}: everyday -> none {figures['everyday_to_none']:.0%}, swapped domains -> none "
+        print(f"{variant} ({figures['kind']}, t={figures['threshold']}): everyday -> none {figures['everyday_to_none']:.0%}, swapped domains -> none "
               f"{figures['swapped_domains_to_none']:.0%}, own domain {figures['own_domain']}")
     write_json("real_routing", {"machine": machine_info(), "workdir": args.workdir, "results": results},
                args.out, args.overwrite)
