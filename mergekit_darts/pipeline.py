@@ -291,14 +291,9 @@ def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
 
 def capture_context(out_path: str, surgery: SurgeryConfig, settings: RunSettings):
     """The one capture context of a run: every model load (domains, router_eval, depth) goes through it."""
-    from mergekit_darts.repair.capture.context import CaptureContext
+    from mergekit_darts.repair.capture.context import open_run_context
 
-    return CaptureContext.open(
-        out_path, surgery.max_positions, dtype=settings.dtype, device=settings.device,
-        batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
-        trust_remote_code=settings.trust_remote_code, progress=settings.progress,
-        device_map=surgery.device_map, max_memory=surgery.max_memory,
-    )
+    return open_run_context(out_path, surgery, settings)
 
 
 def capture_step(out_path: str, surgery: SurgeryConfig, settings: RunSettings,

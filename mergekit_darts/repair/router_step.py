@@ -21,9 +21,9 @@ def router_step(out_path: str, captured, surgery, settings, ctx=None):
     splits = {name: split_held_out(s.records, surgery.held_out, settings.seed) for name, s in states.items()}
     eval_states = None
     if surgery.router_eval is not None:
-        from mergekit_darts.pipeline import capture_context  # the run's one way to open a capture
+        from mergekit_darts.repair.capture.context import open_run_context
 
-        ctx = ctx or capture_context(out_path, surgery, settings)
+        ctx = ctx or open_run_context(out_path, surgery, settings)
         eval_data = _capture_router_eval(ctx, surgery, settings)
         eval_states = _router_states(eval_data)
     return train_router(states, splits, threshold=surgery.router_threshold, fallback_rate=surgery.router_fallback,

@@ -96,3 +96,14 @@ class CaptureContext:
         """The one-model-in-memory slot of ``model_dir``, loaded with this run's placement and dtype."""
         return ModelSlot(model_dir, device=self.device, dtype=self.dtype, device_map=self.device_map,
                          max_memory=self.max_memory, trust_remote_code=self.trust_remote_code)
+
+
+def open_run_context(out_path: str, surgery, settings) -> CaptureContext:
+    """The one capture context of a run (``surgery``: its SurgeryConfig, ``settings``: its RunSettings):
+    every model load (domains, router_eval, depth) goes through it."""
+    return CaptureContext.open(
+        out_path, surgery.max_positions, dtype=settings.dtype, device=settings.device,
+        batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
+        trust_remote_code=settings.trust_remote_code, progress=settings.progress,
+        device_map=surgery.device_map, max_memory=surgery.max_memory,
+    )
