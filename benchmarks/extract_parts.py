@@ -39,18 +39,19 @@ SEVEN_B_PARAMS = 6.74e9
 
 
 def read_weights(path: str) -> Dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """Every weight of a model directory (a repaired one's darts tensors left out), float32."""
+    from mergekit_darts.repair.train.delta_init import SafetensorsWeights
 
-    weights = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors") and not name.startswith("darts"):
-            weights.update(load_file(os.path.join(path, name)))
-    return {k: v.float() for k, v in weights.items() if not k.startswith("darts.")}
+    weights = SafetensorsWeights(path)
+    return {name: weights.read(name).float() for name in weights.files}
 
 
 def low_rank(delta: torch.Tensor, rank: int) -> torch.Tensor:
-    u, s, vh = torch.linalg.svd(delta.double(), full_matrices=False)
-    return ((u[:, :rank] * s[:rank]) @ vh[:rank]).float()
+    """The rank-``rank`` truncated SVD of ``delta``, as ``adapter_init: delta`` computes it."""
+    from mergekit_darts.repair.train.delta_init import low_rank_factors
+
+    down, up = low_rank_factors(delta, rank)
+    return up @ down
 
 
 def is_block_linear(name: str) -> bool:
@@ -61,22 +62,27 @@ def is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
-def combined(merged: dict, expert: dict, part: str, rank: int) -> dict:
+def low_rank_parts(merged: dict, expert: dict, rank: int) -> dict:
+    """W_merge + the rank-r SVD of the delta, once per domain, for every tensor a part may take at rank r."""
+    wanted = [n for n in merged if is_block_linear(n) or n in ("lm_head.weight", "model.embed_tokens.weight")]
+    return {name: merged[name] + low_rank(expert[name] - merged[name], rank) for name in wanted}
+
+
+def combined(merged: dict, expert: dict, lowrank: dict, part: str) -> dict:
     out = dict(merged)
-    for name, weight in merged.items():
-        delta = expert[name] - weight
-        if is_block_linear(name) and "blocks" in part or part == "all_whole" and is_block_linear(name):
-            out[name] = weight + low_rank(delta, rank)
+    for name in merged:
+        if is_block_linear(name) and ("blocks" in part or part == "all_whole"):
+            out[name] = lowrank[name]
         elif is_norm(name) and ("norms" in part or part == "all_whole"):
             out[name] = expert[name]
-        elif name == "lm_head.weight" and ("head_lowrank" in part):
-            out[name] = weight + low_rank(delta, rank)
+        elif name == "lm_head.weight" and "head_lowrank" in part:
+            out[name] = lowrank[name]
         elif name == "lm_head.weight" and ("head" in part or part == "all_whole"):
             out[name] = expert[name]
         elif name == "model.embed_tokens.weight" and (part.endswith("embed") or part == "all_whole"):
             out[name] = expert[name]
         elif name == "model.embed_tokens.weight" and "embed_lowrank" in part:
-            out[name] = weight + low_rank(delta, rank)
+            out[name] = lowrank[name]
     return out
 
 
@@ -124,8 +130,9 @@ def main(argv=None):
         expert = read_weights(os.path.join(family, domain))
         scores["merge"][domain] = scored(merged, domain)
         scores["expert"][domain] = scored(expert, domain)
+        lowrank = low_rank_parts(merged, expert, args.rank)
         for part in PARTS:
-            scores[part][domain] = scored(combined(merged, expert, part, args.rank), domain)
+            scores[part][domain] = scored(combined(merged, expert, lowrank, part), domain)
         log(f"{domain}: " + ", ".join(f"{part} {scores[part][domain]:.0f}" for part in scores))
     shares = {part: share_7b(part, args.rank) for part in PARTS}
     print(f"\n| part (rank {args.rank}) | math | code | instruct | 7B share |\n|---|---|---|---|---|")

@@ -15,10 +15,9 @@ Usage: python benchmarks/real_routing.py --workdir WORK [--out PATH] [--overwrit
 """
 
 import argparse
-import json
 import os
 import sys
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
@@ -26,32 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import add_output_options, machine_info, write_json  # noqa: E402
 from real_family import chat_prompt  # noqa: E402
 from real_table import DOMAINS, ROUTE_TOKENS, everyday_requests, load_splits  # noqa: E402
-
-
-def capture_states(workdir: str, groups: Dict[str, List[str]]) -> Dict[str, dict]:
-    """{"final" | "embeddings": {group: PromptStates}}: the merge's final states and its first block's
-    input (the token embeddings) over each group of chat prompts, from one capture of the merge."""
-    from mergekit_darts.config import parse_surgery_block
-    from mergekit_darts.pipeline import capture_context
-    from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
-    from mergekit_darts.repair.router_prefix import PromptStates
-    from mergekit_darts.settings import RunSettings
-
-    merged = os.path.join(workdir, "merge_ta")
-    with open(os.path.join(merged, "config.json")) as handle:
-        layers = json.load(handle)["num_hidden_layers"]
-    surgery = parse_surgery_block({
-        "max_positions": 256, "device": "cpu", "dtype": "float32", "seed": 0, "capture_batch_size": 10,
-        "cache_dir": os.path.join(workdir, "capture_cache"),
-        "domains": {"any": {"model": merged, "calibration": {"texts": ["unused"]}}}})
-    ctx = capture_context(merged, surgery, RunSettings.resolve(surgery, progress=False))
-    out = {"final": {}, "embeddings": {}}
-    for name, chats in groups.items():
-        data = capture_merged_prompts(ctx, DomainCaptureSpec(name=name, expert=merged, texts=chats,
-                                                             add_special_tokens=False), depth=layers)
-        out["final"][name] = PromptStates(data.merged_hidden, data.prompt_lengths)
-        out["embeddings"][name] = PromptStates(data.block_inputs, data.prompt_lengths)
-    return out
+from router_states import HELD_OUT, SEED, merged_prompt_states  # noqa: E402
 
 
 def measure(workdir: str) -> Dict[str, dict]:
@@ -71,17 +45,18 @@ def measure(workdir: str) -> Dict[str, dict]:
     groups.update({f"test_{d}_{label}": [chat_prompt(tokenizer, cut(ex["prompt"], n)) for ex in splits[d]["test"]]
                    for d in DOMAINS for label, n in lengths.items()})
     groups["everyday"] = [chat_prompt(tokenizer, text) for text in everyday_requests()]
-    captured = capture_states(workdir, groups)
+    captured = merged_prompt_states(os.path.join(workdir, "merge_ta"), groups, max_positions=256, batch_size=10,
+                                    cache_dir=os.path.join(workdir, "capture_cache"), add_special_tokens=False)
     results = {}
     for where, states in captured.items():
         calibration = {d: states[f"calib_{d}"] for d in DOMAINS}
-        held = {d: split_held_out(calibration[d].records, 0.2, 0) for d in DOMAINS}
+        held = {d: split_held_out(calibration[d].records, HELD_OUT, SEED) for d in DOMAINS}
         for variant, forced in (("before", 0), ("now", None)):
             original = router_train.shared_prefix_length
             if forced is not None:  # prefixes counted from the first token, as before
                 router_train.shared_prefix_length = lambda states: forced
             try:
-                router, entry = router_train.train_router(calibration, held, seed=0)
+                router, entry = router_train.train_router(calibration, held, seed=SEED)
             finally:
                 router_train.shared_prefix_length = original
 

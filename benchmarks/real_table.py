@@ -19,7 +19,6 @@ Usage: python benchmarks/real_table.py --workdir WORK [--rows a,b] [--seed 0] [-
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -48,19 +47,15 @@ SURGERY_ROWS = [
     ("extract_all8", "Data-free extract, rank 8 in every block (no training)",
      {"loss": "kl", "depth": "all", "depth_rank": 8, "adapter_init": "delta", "steps": 0}),
 ]
-# the paper's row again, through the mergekit-yaml command itself (merge + surgery in one process)
-# (the second with an empty capture cache of its own: the capture's seconds without the cache)
+# the paper's row again, through the mergekit-yaml command itself (merge + surgery in one process);
+# the last field: an empty capture cache of the row's own (the capture's seconds without the cache)
 CLI_ROWS = [
-    ("cli_ewl1", "DARTS + EWL1 through the `mergekit-yaml` command", {"method": "darts", "loss": "ewl1"}),
+    ("cli_ewl1", "DARTS + EWL1 through the `mergekit-yaml` command", {"method": "darts", "loss": "ewl1"}, False),
     ("cli_ewl1_uncached", "DARTS + EWL1 through `mergekit-yaml`, nothing cached",
-     {"method": "darts", "loss": "ewl1", "cache_dir": None}),
+     {"method": "darts", "loss": "ewl1"}, True),
 ]
-ALL_ROWS = ["base", "experts", "merge_ta", "merge_ties"] + [key for key, _, _ in SURGERY_ROWS + CLI_ROWS]
-
-
-def peak_rss_gib() -> float:
-    """The process's peak so far (ru_maxrss never falls): a row's figure includes the rows before it."""
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
+ALL_ROWS = (["base", "experts", "merge_ta", "merge_ties"] + [key for key, _, _ in SURGERY_ROWS]
+            + [key for key, _, _, _ in CLI_ROWS])
 
 
 def load_splits(workdir: str) -> Dict[str, Dict[str, List[dict]]]:
@@ -144,6 +139,7 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
 
     from mergekit_darts.hook import original_run_merge
     from mergekit_darts.pipeline import merge_and_repair, run_surgery
+    from mergekit_darts.repair.stages import peak_rss_gib
 
     # seed 0 has every row; another seed repeats the rows that depend on it (the repairs)
     table_path = os.path.join(workdir, table_name or ("table.json" if seed == 0 else f"table_seed{seed}.json"))
@@ -155,7 +151,8 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
     def save(key, label, scores, started, extra=None):
         table["rows"][key], table["labels"][key] = scores, label
         table["seconds"][key] = round(time.perf_counter() - started, 1)
-        table["peak_rss_gib"][key] = peak_rss_gib()
+        # the process's peak so far (ru_maxrss never falls): a row's figure includes the rows before it
+        table["peak_rss_gib"][key] = round(peak_rss_gib(), 2)
         for name, value in (extra or {}).items():
             table[name][key] = value
         with open(table_path + ".tmp", "w") as handle:
@@ -211,14 +208,15 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
         scores, extra = repaired_row(out, report, overrides, started, tokenizer, test)
         save(key, label, scores, started, extra)
 
-    for key, label, settings in CLI_ROWS:
+    for key, label, settings, own_cache in CLI_ROWS:
         if key not in todo:
             continue
         started = time.perf_counter()
         out = os.path.join(workdir, key)
+        if own_cache:
+            settings = {**settings, "cache_dir": os.path.join(workdir, f"{key}_cache")}
         if not os.path.exists(os.path.join(out, "config.json")):
-            if "cache_dir" in settings:  # its own cache, emptied: every state captured afresh
-                settings = {**settings, "cache_dir": os.path.join(workdir, f"{key}_cache")}
+            if own_cache:  # emptied: every state captured afresh
                 shutil.rmtree(settings["cache_dir"], ignore_errors=True)
             path = os.path.join(workdir, f"{key}.yml")
             with open(path, "w") as handle:

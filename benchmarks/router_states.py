@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Dict, List, Optional
 
 import torch
 
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import add_output_options, log, machine_info, write_json  # noqa: E402
 
 DOMAINS = ("math", "code", "instruct")
+HELD_OUT, SEED = 0.2, 0  # the surgery's default split and seed
 
 
 def read_jsonl(path: str, field: str):
@@ -33,8 +35,10 @@ def read_jsonl(path: str, field: str):
         return [json.loads(line)[field] for line in handle if line.strip()]
 
 
-def capture(demo_dir: str):
-    """{"final": {domain: (calib, test)}, "embeddings": {...}} PromptStates of the merged model."""
+def merged_prompt_states(merged: str, groups: Dict[str, List[str]], max_positions: int, batch_size: int,
+                         cache_dir: Optional[str] = None, add_special_tokens: Optional[bool] = None) -> Dict[str, dict]:
+    """{"final" | "embeddings": {group: PromptStates}}: the merged model's final states and its first
+    block's input (the token embeddings) over each group of prompts, from one pass per group."""
     from transformers import AutoConfig
 
     from mergekit_darts.config import parse_surgery_block
@@ -43,26 +47,19 @@ def capture(demo_dir: str):
     from mergekit_darts.repair.router_prefix import PromptStates
     from mergekit_darts.settings import RunSettings
 
-    merged = os.path.join(demo_dir, "merged")
-    layers = AutoConfig.from_pretrained(merged, trust_remote_code=True).num_hidden_layers
-    texts = {d: {"calib": read_jsonl(os.path.join(demo_dir, f"calib_{d}.jsonl"), "prompt")[:50],
-                 "test": read_jsonl(os.path.join(demo_dir, "data", f"{d}_test.jsonl"), "prompt")} for d in DOMAINS}
-    surgery = parse_surgery_block({
-        "max_positions": 128, "device": "cpu", "dtype": "float32", "seed": 0, "capture_batch_size": 25,
-        "domains": {d: {"model": merged, "calibration": {"texts": texts[d]["calib"]}} for d in DOMAINS}})
-    settings = RunSettings.resolve(surgery, progress=False)
-    ctx = capture_context(merged, surgery, settings)
+    layers = AutoConfig.from_pretrained(merged).num_hidden_layers
+    surgery = parse_surgery_block({  # only the capture settings matter: no surgery runs
+        "max_positions": max_positions, "device": "cpu", "dtype": "float32", "seed": 0,
+        "capture_batch_size": batch_size, "cache_dir": cache_dir,
+        "domains": {"any": {"model": merged, "calibration": {"texts": ["unused"]}}}})
+    ctx = capture_context(merged, surgery, RunSettings.resolve(surgery, progress=False))
     out = {"final": {}, "embeddings": {}}
-    for domain in DOMAINS:
-        parts = {}
-        for part in ("calib", "test"):
-            data = capture_merged_prompts(ctx, DomainCaptureSpec(name=f"{part}_{domain}", expert=merged,
-                                                                 texts=texts[domain][part]), depth=layers)
-            parts[part] = {"final": PromptStates(data.merged_hidden, data.prompt_lengths),
-                           "embeddings": PromptStates(data.block_inputs, data.prompt_lengths)}
-        for where in out:
-            out[where][domain] = (parts["calib"][where], parts["test"][where])
-    return out, surgery, settings
+    for name, texts in groups.items():
+        data = capture_merged_prompts(ctx, DomainCaptureSpec(name=name, expert=merged, texts=texts,
+                                                             add_special_tokens=add_special_tokens), depth=layers)
+        out["final"][name] = PromptStates(data.merged_hidden, data.prompt_lengths)
+        out["embeddings"][name] = PromptStates(data.block_inputs, data.prompt_lengths)
+    return out
 
 
 def main(argv=None):
@@ -77,14 +74,18 @@ def main(argv=None):
     from mergekit_darts.repair.router_train import train_router
     from mergekit_darts.repair.train.split import split_held_out
 
-    states, surgery, settings = capture(args.demo_dir)
+    groups = {}
+    for d in DOMAINS:
+        groups[f"calib_{d}"] = read_jsonl(os.path.join(args.demo_dir, f"calib_{d}.jsonl"), "prompt")[:50]
+        groups[f"test_{d}"] = read_jsonl(os.path.join(args.demo_dir, "data", f"{d}_test.jsonl"), "prompt")
+    states = merged_prompt_states(os.path.join(args.demo_dir, "merged"), groups, max_positions=128, batch_size=25)
     results = {}
-    for where, by_domain in states.items():
-        calib = {d: s[0] for d, s in by_domain.items()}
-        test = {d: s[1] for d, s in by_domain.items()}
-        held = {d: split_held_out(s.records, surgery.held_out, settings.seed) for d, s in calib.items()}
-        router, entry = train_router(calib, held, seed=settings.seed)
-        shares = swapped(lambda c, sp: train_router(c, sp, seed=settings.seed)[0], calib, held)
+    for where, by_group in states.items():
+        calib = {d: by_group[f"calib_{d}"] for d in DOMAINS}
+        test = {d: by_group[f"test_{d}"] for d in DOMAINS}
+        held = {d: split_held_out(s.records, HELD_OUT, SEED) for d, s in calib.items()}
+        router, entry = train_router(calib, held, seed=SEED)
+        shares = swapped(lambda c, sp: train_router(c, sp, seed=SEED)[0], calib, held)
         results[where] = {"kind": router.kind, "threshold": router.threshold, "test": measure(router, test),
                           "swapped_none_share": shares,
                           "shared_prefix_tokens": entry["calibration"]["shared_prefix_tokens"]}
