@@ -10,6 +10,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union, get_arg
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mergekit_darts.errors import SurgeryConfigError  # noqa: F401  (re-exported: the schema's error)
+from mergekit_darts.presets import PRESETS, expand_preset, preset_settings  # noqa: F401  (re-exported)
 from mergekit_darts.yaml_source import split_yaml  # noqa: F401  (re-exported: where configs are read)
 
 # Each vocabulary is defined once, as a Literal; the tuples are derived from it.
@@ -29,6 +30,9 @@ DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 KLTarget = Literal["exact", "topk", "bf16"]
 KLPrecision = Literal["float32", "mixed"]
 RouterKind = Literal["auto", "centroid", "logistic"]
+# what the router reads (docs/routing.md): the plain merged model's final states (with depth: a separate
+# uncorrected pass over the prompt) or the first adapted block's input (no extra pass)
+RouterStates = Literal["final", "block_input"]
 AdapterInit = Literal["zero", "delta"]
 _MAP_DEVICE = re.compile(r"^(cpu|disk|mps|cuda:\d+)$")
 _MEMORY_KEY = re.compile(r"^(cpu|disk|mps|cuda:\d+|\d+)$")
@@ -177,6 +181,7 @@ class SurgeryConfig(_Strict):
     router_fallback_rate: Optional[YamlFloat] = Field(None, ge=0, lt=1)  # None: 0.05 (docs/routing.md)
     router_kind: RouterKind = "auto"  # auto: centroid or logistic, whichever cross-validates better
     router_eval: Optional[CalibrationConfig] = None  # out-of-domain prompts to measure the fallback on
+    router_states: RouterStates = "final"
     # A domain whose held-out metric got worse than the plain merge (or is not finite) is never made
     # the default silently: the model then loads as "none". True keeps default_domain regardless.
     allow_worse_default: bool = Field(False, strict=True)
@@ -254,7 +259,10 @@ class SurgeryConfig(_Strict):
              "from the expert's weight deltas, and this run has neither; set depth (e.g. depth: all)"),
             *[(key, not self.router_enabled, "router",
                f"{key} is used only with the router (router: true; it is off by default with one domain)")
-              for key in ("router_threshold", "router_fallback_rate", "router_kind", "router_eval")],
+              for key in ("router_threshold", "router_fallback_rate", "router_kind", "router_eval", "router_states")],
+            ("router_states", self.router_states == "block_input" and self.depth == 0, "depth",
+             "router_states: block_input reads the first adapted block's input, and depth is 0 (no block is "
+             "adapted; the router reads the final states); set depth or remove router_states"),
             ("router_fallback_rate", self.router_threshold is not None, "router_threshold",
              "router_threshold fixes the gate, so the calibration to router_fallback_rate would be ignored; "
              "give one of them"),
@@ -339,38 +347,6 @@ class SurgeryConfig(_Strict):
     def active_domain(self) -> str:
         """The domain active when the output directory is loaded."""
         return self.default_domain if self.default_domain is not None else next(iter(self.domains))
-
-
-# Keys written in the YAML win. "paper": the defaults spelled out. "best": the highest six-seed mean held-out
-# gap with the demo's 50 prompts, within budget.PRESET_SHARE (quality_synthesis.json "real50"; docs/quality.md).
-PRESETS: Dict[str, Dict[str, Any]] = {
-    "paper": {"method": "darts", "loss": "ewl1", "content": "relu", "rank": 16, "head_rank": 0, "steps": 500, "lr": 1.0e-3},
-    "best": {"method": "darts", "loss": "kl", "content": "relu", "rank": 64, "head_rank": 0, "steps": 500, "lr": 1.0e-3,
-             "depth": "all", "depth_rank": 8, "batch_size": 50, "adapter_init": "delta"},
-}
-
-
-def expand_preset(data: Any) -> Any:
-    """The ``surgery:`` mapping with its preset's settings filled in where the YAML gives none."""
-    if not isinstance(data, dict) or data.get("preset") is None:
-        return data
-    preset = data["preset"]
-    if preset not in PRESETS:
-        return data  # the Literal check names the field and the choices
-    # lr_candidates replaces the preset's lr (written, both would be an error: one lr is ignored)
-    filled = {k: v for k, v in PRESETS[preset].items() if not (k == "lr" and "lr_candidates" in data)}
-    if data.get("depth") == 0:  # the preset's block adapters turned off: their rank would be an ignored key
-        filled.pop("depth_rank", None)
-        if not data.get("head_rank"):  # nor the start from the deltas: nothing left to start
-            filled.pop("adapter_init", None)
-    return {**filled, **data}
-
-
-def preset_settings(surgery: "SurgeryConfig") -> Optional[Dict[str, Any]]:
-    """The settings a preset controls, as this run resolved them (explicit keys included)."""
-    if surgery.preset is None:
-        return None
-    return {key: getattr(surgery, key) for key in PRESETS[surgery.preset]}
 
 
 def format_validation_error(error: ValidationError, prefix: str) -> str:

@@ -46,9 +46,11 @@ def routing_states(plain, batch, depth):
     return seen.get("h", final)
 
 
-def build_darts_dir(path, depth, seed=0):
+def build_darts_dir(path, depth, seed=0, states="final"):
     """Random surgery of every kind (position table, head correction, block adapters) and a router fitted
-    on the plain model's own routing states of MATH / CODE, exported into a realistic-padding Llama."""
+    on the plain model's own routing states of MATH / CODE (``states``: the final norm's output, through a
+    separate plain pass when blocks are adapted, or the first adapted block's input), exported into a
+    realistic-padding Llama."""
     make_random_model(path, arch="llama", seed=3, hidden_size=64)
     realistic_padding(path)
     plain, tokenizer = load(path), tokenizer_for(path)
@@ -65,9 +67,11 @@ def build_darts_dir(path, depth, seed=0):
     pooled = {}
     for name, texts in (("math", MATH), ("code", CODE)):
         batch = tokenizer(texts, return_tensors="pt", padding=True)
-        pooled[name] = pool_prompt_states(routing_states(plain, batch, depth), batch.attention_mask)
-    export_surgery(path, modules, {name: f"experts/{name}" for name in modules}, "math", loss="kl",
-                   router=fit_router(pooled, threshold=0.02))
+        read_at = depth if states == "block_input" else 0
+        pooled[name] = pool_prompt_states(routing_states(plain, batch, read_at), batch.attention_mask)
+    router = fit_router(pooled, threshold=0.02)
+    router.states = states
+    export_surgery(path, modules, {name: f"experts/{name}" for name in modules}, "math", loss="kl", router=router)
     return plain
 
 
@@ -82,7 +86,7 @@ def darts(tmp_path_factory):
     assert model.route_domains(batch.input_ids, batch.attention_mask) == PICKS
     # what the static-cache bug did: pooling over the (non-zero) padding states routes other domains
     router = model.darts.router
-    states = routing_states(plain, batch, depth=1)
+    states = routing_states(plain, batch, depth=0)  # the final states: the router's default
     with torch.no_grad():
         assert router(states, None).tolist() != router(states, batch.attention_mask).tolist()
     return {"path": path, "model": model, "plain": plain, "batch": batch, "tokenizer": tokenizer}
@@ -159,28 +163,30 @@ def split_router(model, tokenizer, prompt, chunk, depth):
     return ids
 
 
-@pytest.mark.parametrize("depth", [0, 1])
-def test_chunked_prefill_is_routed_on_the_whole_prompt(darts, tmp_path, depth):
-    """Each prefill chunk adds its tokens to the routing sums, so the first generated token and every
-    later one use the whole prompt's domain. depth 0: exactly the unchunked generation. depth > 0 (the
-    documented limitation, docs/routing.md): the adapters inside the blocks act while each chunk is
-    fed, so an earlier chunk's tokens went through the domain routed from the prompt so far (here math,
-    not code): the first token's logits differ from the unchunked ones."""
-    if depth:
+@pytest.mark.parametrize("depth,states", [(0, "final"), (1, "final"), (1, "block_input")])
+def test_chunked_prefill_is_routed_on_the_whole_prompt(darts, tmp_path, depth, states):
+    """Every chunk is generated with the whole prompt's domain. depth 0: each prefill chunk adds its tokens
+    to the routing sums. depth > 0 with the default final-state router: generate routes the whole prompt
+    on a plain pass before the prefill, so chunking changes nothing. depth > 0 with ``states:
+    block_input`` (the documented limitation, docs/routing.md): the adapters inside the blocks act while
+    each chunk is fed, so an earlier chunk's tokens went through the domain routed from the prompt so far
+    (here math, not code): the first token's logits differ from the unchunked ones."""
+    if (depth, states) == (1, "final"):
         model = load(darts["path"], trust_remote_code=True)
     else:
-        path = str(tmp_path / "depth0")
-        build_darts_dir(path, depth=0)
+        path = str(tmp_path / f"depth{depth}")
+        build_darts_dir(path, depth=depth, states=states)
         model = load(path, trust_remote_code=True)
+    assert model.darts.router.states == states
     prompt, chunk = PROMPTS[2], 4
-    ids = split_router(model, darts["tokenizer"], prompt, chunk, depth)
+    ids = split_router(model, darts["tokenizer"], prompt, chunk, depth if states == "block_input" else 0)
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
     whole = model.generate(ids, darts_domain="auto", **kwargs)
     chunked = model.generate(ids, darts_domain="auto", prefill_chunk_size=chunk, **kwargs)
     named = model.generate(ids, darts_domain="code", **kwargs)
     assert torch.equal(whole.sequences, named.sequences)  # unchunked: routed on the whole prompt
     first_whole, first_chunked = whole.logits[0], chunked.logits[0]
-    if depth == 0:
+    if states == "final":
         assert torch.equal(chunked.sequences, whole.sequences)
         torch.testing.assert_close(first_chunked, first_whole, rtol=0, atol=1e-5)
     else:

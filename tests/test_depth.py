@@ -75,6 +75,7 @@ def test_pipeline_exports_depth_and_the_emitted_model_matches_training(depth_out
     out, report = depth_output
     meta = layout.read_darts_entry(out)
     assert meta["depth"] == 1 and meta["depth_rank"] == 2 and meta["format_version"] == 3
+    assert meta["router"]["states"] == report["router"]["states"] == "final"  # the default: a plain pass
     assert report["surgery"]["depth"] == 1
     for name in ("math", "code"):
         kl = report["domains"][name]["held_out_kl"]
@@ -125,8 +126,9 @@ def test_depth_mixed_rows_cache_and_auto_routing(depth_output):
         no_cache = model.generate(ids, max_new_tokens=4, do_sample=False, darts_domain=rows, use_cache=False)
     assert torch.equal(generated, no_cache)
     # A router that tells the two routing points apart: "math"'s centroid is the prompt's pooled state at
-    # the first adapted block's input, "code"'s its pooled final-norm state. Routing from the block input
-    # (what the router is trained on with depth) picks math; routing from the final norm would pick code.
+    # the first adapted block's input, "code"'s its pooled final-norm state of the plain model. The
+    # default router (states "final", what the pipeline trains) reads the latter through a plain pass
+    # and picks code; a "block_input" router reads the corrected forward's block input and picks math.
     from mergekit_darts.remote_code.routing import pool_prompt_states
 
     prompt = torch.tensor([[5, 6, 7, 8, 9]])
@@ -139,6 +141,7 @@ def test_depth_mixed_rows_cache_and_auto_routing(depth_output):
     at_block, at_norm = pool_prompt_states(seen["h"])[0], pool_prompt_states(final)[0]
     assert float(at_block @ at_norm) < 0.99
     router = model.darts.router
+    assert router.states == "final"
     order = [router.domains.index("math"), router.domains.index("code")]
     with torch.no_grad():
         for index, centroid in zip(order, (at_block, at_norm)):
@@ -146,13 +149,16 @@ def test_depth_mixed_rows_cache_and_auto_routing(depth_output):
         router.bias.zero_()
         router.similarity_mean.fill_(1.0)
         router.similarity_std.fill_(1.0)
-    assert model.route_domains(prompt) == ["math"]
-    with torch.no_grad():
-        auto = model(prompt, darts_domain="auto").logits
-        generated = model.generate(prompt, max_new_tokens=3, do_sample=False, darts_domain="auto")
-        torch.testing.assert_close(auto, model(prompt, darts_domain="math").logits)
-        assert not torch.allclose(auto, model(prompt, darts_domain="code").logits, atol=1e-4)
-        assert torch.equal(generated, model.generate(prompt, max_new_tokens=3, do_sample=False, darts_domain="math"))
+    for states, picked, other in (("final", "code", "math"), ("block_input", "math", "code")):
+        router.states = states
+        assert model.route_domains(prompt) == [picked], states
+        with torch.no_grad():
+            auto = model(prompt, darts_domain="auto").logits
+            generated = model.generate(prompt, max_new_tokens=3, do_sample=False, darts_domain="auto")
+            torch.testing.assert_close(auto, model(prompt, darts_domain=picked).logits)
+            assert not torch.allclose(auto, model(prompt, darts_domain=other).logits, atol=1e-4)
+            assert torch.equal(generated, model.generate(prompt, max_new_tokens=3, do_sample=False,
+                                                         darts_domain=picked)), states
 
 
 def test_depth_bake_refuses_and_config_checks(depth_output, tiny_family, tmp_path):
@@ -169,6 +175,14 @@ def test_depth_bake_refuses_and_config_checks(depth_output, tiny_family, tmp_pat
     assert parse_surgery_block({"depth": 1, "device_map": "auto", "domains": domains}).depth == 1  # sharded capture
     with pytest.raises(SurgeryConfigError, match="depth"):
         parse_surgery_block({"depth": -1, "domains": domains})
+    two = {**domains, "code": {"model": "c", "calibration": {"texts": ["b"]}}}
+    assert parse_surgery_block({"depth": 1, "router_states": "block_input", "domains": two}).router_states == "block_input"
+    with pytest.raises(SurgeryConfigError, match="router_states together with depth: router_states: block_input"):
+        parse_surgery_block({"router_states": "block_input", "domains": two})
+    with pytest.raises(SurgeryConfigError, match="router_states together with router"):
+        parse_surgery_block({"depth": 1, "router_states": "final", "domains": domains})
+    with pytest.raises(SurgeryConfigError, match="router_states"):
+        parse_surgery_block({"depth": 1, "router_states": "embeddings", "domains": two})
     merged = tmp_path / "merged"
     shutil.copytree(tiny_family["merged"], merged)
     before = sorted(p.name for p in merged.iterdir())

@@ -97,6 +97,38 @@ def test_auto_with_a_prefix_cache_routes_the_whole_prompt_or_refuses(darts):
         generate(model, {"input_ids": full}, "auto", cache=filled)
 
 
+@torch.no_grad()
+def test_auto_with_block_adapters_routes_the_whole_prompt_on_a_plain_pass(darts):
+    """With block adapters the default router reads the plain model's final states on its own pass over
+    the whole prompt, before the prefill: a prefix cache filled without routing sums is accepted and the
+    prompt routes as a whole (the router is pointed so that the uncached tokens alone route elsewhere)."""
+    from mergekit_darts.remote_code.routing import pool_prompt_states
+    from test_compiled import routing_states
+
+    model, tokenizer = load(darts[1]["path"], trust_remote_code=True), darts["tokenizer"]
+    assert model.darts.router.states == "final"
+    full = ids_of(tokenizer, PROMPTS[2])
+    prefix, suffix = full[:, :3], full[:, 3:]
+    router = model.darts.router
+    for name, ids in (("math", suffix), ("code", full)):
+        index = router.domains.index(name)
+        router.weight[index] = router.centroids[index] = pool_prompt_states(routing_states(model, {"input_ids": ids}, 0))[0]
+    router.bias.zero_()
+    router.similarity_mean.fill_(0.0)
+    assert model.route_domains(full) == ["code"] and model.route_domains(suffix) == ["math"]
+    expected = generate(model, {"input_ids": full}, "code")
+    assert torch.equal(generate(model, {"input_ids": full}, "auto"), expected)
+    filled = model(prefix, use_cache=True, darts_domain="code").cache  # no routing sums on it
+    assert torch.equal(generate(model, {"input_ids": full}, "auto", cache=filled), expected)
+    # a hand-written loop: the first call routes its own tokens on a plain pass, the next keeps its pick
+    first = model(full, use_cache=True, darts_domain="auto")
+    torch.testing.assert_close(first.logits, model(full, darts_domain="code").logits)
+    token = first.logits[:, -1:].argmax(-1)
+    step = model(token, cache=first.cache, darts_domain="auto").logits
+    named = model(full, use_cache=True, darts_domain="code")
+    torch.testing.assert_close(step, model(token, cache=named.cache, darts_domain="code").logits)
+
+
 @pytest.mark.parametrize("depth", [0, 1])
 def test_one_cache_reused_across_chat_turns(darts, depth):
     """Turn 2 appends a new message to turn 1's prompt and answer and passes turn 1's cache back: the

@@ -88,6 +88,31 @@ def test_router_meta_is_strict():
         DomainRouter(HIDDEN, ["math"], threshold=1.5)
     with pytest.raises(ValueError, match="missing kind"):
         DomainRouter.from_meta({k: v for k, v in router.to_meta().items() if k != "kind"}, HIDDEN)
+    assert router.to_meta()["version"] == 2 and router.to_meta()["states"] == "final"
+    with pytest.raises(ValueError, match="missing states"):
+        DomainRouter.from_meta({k: v for k, v in router.to_meta().items() if k != "states"}, HIDDEN)
+    with pytest.raises(ValueError, match="router.states: unknown states 'embeddings'"):
+        DomainRouter.from_meta({**router.to_meta(), "states": "embeddings"}, HIDDEN)
+    # a version-1 entry (no states) read where it routed: the first adapted block's input with depth
+    legacy = {k: v for k, v in router.to_meta().items() if k != "states"} | {"version": 1}
+    assert DomainRouter.from_meta(legacy, HIDDEN).states == "final"
+    assert DomainRouter.from_meta(legacy, HIDDEN, blocks_adapted=True).states == "block_input"
+    with pytest.raises(ValueError, match="version True"):
+        DomainRouter.from_meta({**router.to_meta(), "version": True}, HIDDEN)
+
+
+def test_router_step_reads_the_states_it_is_told():
+    """router_states: final trains on the merged final states, block_input on the first adapted block's
+    input (both captured with depth)."""
+    import types
+
+    from mergekit_darts.repair.router_step import _router_states
+
+    final, block = torch.randn(3, 5, HIDDEN), torch.randn(3, 5, HIDDEN)
+    data = types.SimpleNamespace(merged_hidden=final, block_inputs=block, prompt_lengths=torch.tensor([5, 4, 3]))
+    assert torch.equal(_router_states(data, "final").hidden, final)
+    read = _router_states(data, "block_input", rows=2)
+    assert torch.equal(read.hidden, block[:2]) and read.lengths.tolist() == [5, 4]
 
 
 # --------------------------------------------------------------------------------------------- config

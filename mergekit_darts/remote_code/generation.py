@@ -1,7 +1,7 @@
 """What the emitted model derives as ``generate`` does, and what ``generate`` carries between its forwards
 for ``darts_domain="auto"`` rows (docs/design.md §5, docs/routing.md).
 
-Imports torch only; copied into every output directory. The routing sums
+Imports torch and the shipped hooks.py/routing.py only; copied into every output directory. The routing sums
 (``routing.prompt_state_sums``: [B, H + 1]) that the prefill adds the prompt's states to start at zero,
 or, when the caller's cache already holds a prefix, at the sums an ``"auto"`` forward stored on it; the
 prompt is what the prefill routes on, never the draft tokens of assisted or prompt-lookup decoding.
@@ -11,6 +11,9 @@ import threading
 from typing import Optional
 
 import torch
+
+from .hooks import NONE_INDEX, PendingRoute, set_active_call
+from .routing import route_rows
 
 ROUTE_ATTR = "_darts_route_sums"  # on a KV cache object: the routing sums of its sequences' prompts
 
@@ -82,6 +85,73 @@ def routing_mask(prompt_mask, attention_mask, length):
             f"{tuple(mask.shape)}; pass darts_prompt_mask=[batch, tokens] (1 at real tokens) with a "
             "custom mask (generate does this itself from its 2-D mask)")
     return mask[:, -length:]
+
+
+def pending_route(model, attention_mask, prompt_mask, step, state, routed, cache, batch, length) -> PendingRoute:
+    """The routing of a forward's "auto" rows: a call routes on its own tokens unless it continues a
+    sequence whose prompt was seen already (a manual loop's call with a non-empty cache that carries
+    the routing sums), which takes those sums; generate's prefill calls add to its carried sums."""
+    router = model.darts.router
+    to_domain = tuple(model.darts_domains.index(name) for name in router.domains)
+    mask = routing_mask(prompt_mask, attention_mask, length)
+    if step == "prefill":  # generate: every prefill chunk adds its tokens to the carried sums
+        return PendingRoute(router, to_domain, mask=mask, state=state, accumulate=True, routed=routed)
+    carried = getattr(cache, ROUTE_ATTR, None) if cache is not None else None
+    if carried is None or carried.shape[0] != batch:
+        return PendingRoute(router, to_domain, mask=mask)
+    past = cache.get_seq_length()
+    if isinstance(past, torch.Tensor):  # a static cache: whether it is empty is known on the device only
+        return PendingRoute(router, to_domain, mask=mask, state=carried, fresh=past == 0)
+    if past == 0:  # an emptied cache (reset) starts a new sequence
+        return PendingRoute(router, to_domain, mask=mask)
+    return PendingRoute(router, to_domain, state=carried, pool=False)
+
+
+def routes_on_plain_pass(model) -> bool:
+    """A router that reads the final states of a model whose blocks are corrected: its corrected forward
+    never computes them, so "auto" rows are routed on a separate uncorrected pass over the prompt."""
+    router = model.darts.router
+    return router is not None and router.states == "final" and model.darts.first_adapted_layer is not None
+
+
+def plain_final_states(model, input_ids, inputs_embeds, attention_mask, position_ids, length) -> torch.Tensor:
+    """The plain merged model's final-norm output [B, length, H] over the current tokens, without the
+    cache: the states a ``states: "final"`` router reads. A mask over cached tokens too is cut to the
+    current ones (a call continuing a cache without routing sums routes on its own tokens)."""
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., -length:]
+    previous = set_active_call(None)  # no call active: every correction is off
+    try:
+        with torch.no_grad():
+            return model.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                               position_ids=position_ids, use_cache=False).last_hidden_state
+    finally:
+        set_active_call(previous)
+
+
+def route_prompt(model, input_ids=None, inputs_embeds=None, attention_mask=None) -> torch.Tensor:
+    """Each row's domain index (NONE_INDEX below the router's gate) for whole prompts [B, T], read from
+    the uncorrected states the router was trained on, as an "auto" forward over them routes."""
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    length = tokens.shape[1]
+    mask = routing_mask(None, attention_mask, length)
+    positions = default_position_ids(length, attention_mask, None, tokens.device)
+    seen = {}
+    handle = None
+    if model.darts.first_adapted_layer is not None and not routes_on_plain_pass(model):
+        first = model.model.layers[model.darts.first_adapted_layer]  # a block_input router reads its input
+        handle = first.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.update(hidden=args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True)
+    try:
+        hidden = plain_final_states(model, input_ids, inputs_embeds, attention_mask, positions, length)
+    finally:
+        if handle is not None:
+            handle.remove()
+    picked = route_rows(model.darts.router, seen.get("hidden", hidden), mask)
+    to_domain = [model.darts_domains.index(name) for name in model.darts.router.domains]
+    # the router's -1 ("none") picks the last entry
+    return torch.tensor(to_domain + [NONE_INDEX], device=picked.device)[picked]
 
 
 # --- routing sums kept on a caller's cache (a hand-written loop) --------------------------------------

@@ -22,10 +22,10 @@ from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM
 from transformers.utils import logging
 
 from .blocks import BlockAdapter, block_linear_targets
-from .generation import (ROUTE_ATTR, default_position_ids, prefill_route_state, route_step_inputs, routing_mask,
-                         store_route_sums)
-from .hooks import AUTO_INDEX, NONE_INDEX, DartsCall, PendingRoute, attach, resolve_route, set_active_call
-from .routing import DomainModules, DomainRouter, route_rows
+from .generation import (default_position_ids, pending_route, plain_final_states, prefill_route_state, route_prompt,
+                         route_step_inputs, routes_on_plain_pass, store_route_sums)
+from .hooks import AUTO_INDEX, NONE_INDEX, DartsCall, attach, resolve_route, set_active_call
+from .routing import DomainModules, DomainRouter
 from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors, damaged_file_error
 
 logger = logging.get_logger(__name__)
@@ -73,8 +73,9 @@ class DartsMixin:
         domains = meta["domains"]
         shape = SurgeryShape.from_meta(meta) if domains else None
         # darts.router.* (when exported): picks each prompt's domain for "auto"
-        router = DomainRouter.from_meta(meta["router"], self.config.hidden_size) if meta.get("router") else None
         depth = shape.depth if shape is not None else 0
+        router = (DomainRouter.from_meta(meta["router"], self.config.hidden_size, blocks_adapted=depth > 0)
+                  if meta.get("router") else None)
         targets = block_linear_targets(self.model.layers, depth) if depth else None
         self.darts = DomainModules({name: DomainSurgery.from_shape(shape, self.config.hidden_size,
                                                                    self.config.vocab_size, targets)
@@ -257,14 +258,16 @@ class DartsMixin:
             position_ids = default_position_ids(length, attention_mask, cache, embeds.device)
         route = None
         if may_route:
-            route = self._pending_route(attention_mask, darts_prompt_mask, darts_route, darts_route_state,
-                                        darts_routed_rows, cache, batch, length)
+            route = pending_route(self, attention_mask, darts_prompt_mask, darts_route, darts_route_state,
+                                  darts_routed_rows, cache, batch, length)
         adapted = self.darts.first_adapted_layer is not None
         call = DartsCall(self.darts, self.model.norm, self.get_output_embeddings(),
                          self.model.layers if adapted else None, (batch, length), position_ids, logits_to_keep,
                          domain, rows, route)
         if route is not None and not route.pool:  # a later step of a routed sequence: nothing to read
             resolve_route(call)
+        elif route is not None and routes_on_plain_pass(self):
+            resolve_route(call, plain_final_states(self, input_ids, inputs_embeds, attention_mask, position_ids, length))
         if adapted:
             call_kwargs["darts_call"] = call  # reaches every decoder layer, and their checkpointed replay
         previous = set_active_call(call)
@@ -287,26 +290,6 @@ class DartsMixin:
         finally:
             set_active_call(previous)
 
-    def _pending_route(self, attention_mask, prompt_mask, step, state, routed, cache, batch,
-                       length) -> PendingRoute:
-        """"auto" rows are routed on their prompt: a call routes on its own tokens unless it continues a
-        sequence whose prompt was seen already (a manual loop's call with a non-empty cache that carries
-        the routing sums), which takes those sums; generate's prefill calls add to its carried sums."""
-        router = self.darts.router
-        to_domain = tuple(self.darts_domains.index(name) for name in router.domains)
-        mask = routing_mask(prompt_mask, attention_mask, length)
-        if step == "prefill":  # generate: every prefill chunk adds its tokens to the carried sums
-            return PendingRoute(router, to_domain, mask=mask, state=state, accumulate=True, routed=routed)
-        carried = getattr(cache, ROUTE_ATTR, None) if cache is not None else None
-        if carried is None or carried.shape[0] != batch:
-            return PendingRoute(router, to_domain, mask=mask)
-        past = cache.get_seq_length()
-        if isinstance(past, torch.Tensor):  # a static cache: whether it is empty is known on the device only
-            return PendingRoute(router, to_domain, mask=mask, state=carried, fresh=past == 0)
-        if past == 0:  # an emptied cache (reset) starts a new sequence
-            return PendingRoute(router, to_domain, mask=mask)
-        return PendingRoute(router, to_domain, state=carried, pool=False)
-
     def generate(self, *args, darts_domain=None, **kwargs):
         # A per-row index tensor (on the model's device) goes to every step as ``darts_rows``; generate
         # expands it with the batch (beams, num_return_sequences). "auto" rows add the routing sums
@@ -322,7 +305,15 @@ class DartsMixin:
             kwargs["darts_domain"] = NONE_DOMAIN if plan is None else self.darts_domains[plan[0]]
         else:
             kwargs["darts_rows"] = plan[1].to(device)
-            if plan[2] and bool((plan[1] == AUTO_INDEX).any()):
+            if plan[2] and bool((plan[1] == AUTO_INDEX).any()) and routes_on_plain_pass(self):
+                # the whole prompt (earlier turns in a passed cache included) routed up front: every step
+                # then gets fixed rows, whatever the prefill's chunking or drafts
+                embeds = kwargs.get("inputs_embeds")
+                picked = route_prompt(self, input_ids=None if embeds is not None else inputs, inputs_embeds=embeds,
+                                      attention_mask=kwargs.get("attention_mask"))
+                kwargs["darts_rows"] = torch.where(kwargs["darts_rows"] == AUTO_INDEX, picked.to(device),
+                                                   kwargs["darts_rows"])
+            elif plan[2] and bool((plan[1] == AUTO_INDEX).any()):
                 kwargs["darts_route_state"] = prefill_route_state(kwargs.get("cache", kwargs.get("past_key_values")),
                                                                   batch, self.config.hidden_size, device)
                 kwargs["darts_routed_rows"] = kwargs["darts_rows"].clone()
@@ -353,27 +344,8 @@ class DartsMixin:
         """The domain the router picks for each row of ``input_ids`` [B, T] ("none" below its
         threshold), exactly as ``darts_domain="auto"`` would at prefill. Changes nothing."""
         self._domain_index(AUTO_DOMAIN)  # a clear error when there is no router
-        mask = routing_mask(None, attention_mask, input_ids.shape[1])
-        positions = default_position_ids(input_ids.shape[1], attention_mask, None, input_ids.device)
-        seen = {}
-        handle = None
-        if self.darts.first_adapted_layer is not None:  # what the router reads: the first adapted block's input
-            first = self.model.layers[self.darts.first_adapted_layer]
-            handle = first.register_forward_pre_hook(
-                lambda module, args, kwargs: seen.update(hidden=args[0] if args else kwargs["hidden_states"]),
-                with_kwargs=True)
-        # no call active: uncorrected, also when called from a hook inside a forward (whose call is restored)
-        previous = set_active_call(None)
-        try:
-            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                                use_cache=False).last_hidden_state  # the final norm's output
-        finally:
-            set_active_call(previous)
-            if handle is not None:
-                handle.remove()
-        hidden = seen.get("hidden", hidden)
-        router = self.darts.router
-        return [router.domains[i] if i >= 0 else NONE_DOMAIN for i in route_rows(router, hidden, mask).tolist()]
+        picked = route_prompt(self, input_ids=input_ids, attention_mask=attention_mask)
+        return [self.darts_domains[i] if i >= 0 else NONE_DOMAIN for i in picked.tolist()]
 
     def set_output_embeddings(self, new_embeddings):
         # resize_token_embeddings swaps the LM head: the correction must follow it

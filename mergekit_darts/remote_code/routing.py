@@ -10,10 +10,16 @@ from torch import nn
 
 # --- automatic domain routing (docs/routing.md) ------------------------------------------------
 
-# Version of the router description in config.json's darts entry ("router" key).
-ROUTER_VERSION = 1
+# Version of the router description in config.json's darts entry ("router" key). Version 2 adds
+# ``states``; a version-1 entry routes on the first adapted block's input when blocks are adapted.
+ROUTER_VERSION = 2
+READ_VERSIONS = (1, 2)
 ROUTER_POOLING = "mean_l2"  # masked mean over the prompt tokens, then L2 normalisation
 ROUTER_KINDS = ("centroid", "logistic")  # how weight/bias were trained (the math at inference is the same)
+# which prompt states it reads: "final" = the final norm's output of the plain merged model (with
+# ``depth`` a separate uncorrected pass over the prompt), "block_input" = the first adapted block's input
+# in the corrected forward itself (no extra pass; with ``depth: all`` the token embeddings)
+ROUTER_STATES = ("final", "block_input")
 NO_ROUTE = -1  # route() value of a row that falls back to the plain merge ("none")
 _ROUTER_KEYS = ("version", "domains", "threshold", "pooling", "kind")
 
@@ -48,9 +54,11 @@ def pool_prompt_states(hidden_states: torch.Tensor, attention_mask: Optional[tor
 
 
 class DomainRouter(nn.Module):
-    """Picks a domain for each prompt from the merged model's own final hidden states.
+    """Picks a domain for each prompt from the merged model's own uncorrected hidden states.
 
-    With ``h`` the final-norm output [B, T, H] and ``m`` the attention mask [B, T] (1 at real tokens):
+    With ``h`` the states it reads [B, T, H] (``states``: "final", the plain merged model's final-norm
+    output; "block_input", the first adapted block's input) and ``m`` the attention mask [B, T] (1 at
+    real tokens):
 
     1. pool:   ``p = normalize(sum_t m_t h_t / sum_t m_t)`` (float32; L2 norm; padding, left or
        right, is excluded by the mask, so where it sits does not matter);
@@ -70,7 +78,7 @@ class DomainRouter(nn.Module):
     """
 
     def __init__(self, hidden_size: int, domains, threshold: float = 0.02, kind: str = "centroid",
-                 pooling: str = ROUTER_POOLING):
+                 pooling: str = ROUTER_POOLING, states: str = "final"):
         super().__init__()
         domains = list(domains)
         if not domains or len(set(domains)) != len(domains):
@@ -83,11 +91,14 @@ class DomainRouter(nn.Module):
             raise ValueError(f"router.kind: unknown router kind {kind!r}; choose one of {ROUTER_KINDS}")
         if pooling != ROUTER_POOLING:
             raise ValueError(f"router.pooling: unknown pooling {pooling!r}; this version reads {ROUTER_POOLING!r}")
+        if states not in ROUTER_STATES:
+            raise ValueError(f"router.states: unknown states {states!r}; choose one of {ROUTER_STATES}")
         self.hidden_size = hidden_size
         self.domains = domains
         self.threshold = float(threshold)
         self.kind = kind
         self.pooling = pooling
+        self.states = states
         count = len(domains)
         # Parameters (not buffers) so they load, save and are offloaded like every other darts tensor.
         self.weight = nn.Parameter(torch.zeros(count, hidden_size), requires_grad=False)
@@ -98,24 +109,27 @@ class DomainRouter(nn.Module):
 
     def to_meta(self) -> dict:
         return {"version": ROUTER_VERSION, "domains": list(self.domains), "threshold": self.threshold,
-                "pooling": self.pooling, "kind": self.kind}
+                "pooling": self.pooling, "kind": self.kind, "states": self.states}
 
     @classmethod
-    def from_meta(cls, meta: dict, hidden_size: int) -> "DomainRouter":
-        """Strict: every key present, known version; an unknown future version is an error."""
+    def from_meta(cls, meta: dict, hidden_size: int, blocks_adapted: bool = False) -> "DomainRouter":
+        """Strict: every key present, known version; an unknown future version is an error.
+        ``blocks_adapted``: the model has block adapters (``depth``), which a version-1 router read the
+        first of."""
         if not isinstance(meta, dict):
             raise ValueError(f"config.darts.router: expected a mapping, got {type(meta).__name__}")
         version = meta.get("version")
-        if version != ROUTER_VERSION:
+        if isinstance(version, bool) or version not in READ_VERSIONS:
             raise ValueError(
                 f"config.darts.router.version {version!r} is not supported by this mergekit-darts "
-                f"(it reads version {ROUTER_VERSION}); upgrade mergekit-darts"
+                f"(it reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade mergekit-darts"
             )
-        missing = [key for key in _ROUTER_KEYS if key not in meta]
+        missing = [key for key in _ROUTER_KEYS + (("states",) if version >= 2 else ()) if key not in meta]
         if missing:
             raise ValueError(f"config.darts.router: missing {', '.join(missing)}")
+        states = meta["states"] if version >= 2 else ("block_input" if blocks_adapted else "final")
         return cls(hidden_size, meta["domains"], threshold=meta["threshold"], kind=meta["kind"],
-                   pooling=meta["pooling"])
+                   pooling=meta["pooling"], states=states)
 
     def pool(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B, T, H] states, [B, T] mask (None: every token) -> [B, H] unit vectors, float32."""
@@ -153,7 +167,7 @@ class DomainRouter(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"domains={self.domains}, hidden_size={self.hidden_size}, kind={self.kind}, "
-                f"threshold={self.threshold}, pooling={self.pooling}")
+                f"threshold={self.threshold}, pooling={self.pooling}, states={self.states}")
 
 
 def route_rows(router: DomainRouter, final_hidden: torch.Tensor,

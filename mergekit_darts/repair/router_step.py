@@ -15,9 +15,9 @@ def router_step(out_path: str, captured, surgery, settings, ctx=None):
 
     # the greedy rows only: a sampled continuation repeats its prompt, whose pooled state would then
     # sit on both sides of the router's held-out split
-    # with depth the router reads the first adapted block's input (where the emitted model routes)
     # and the user's prompts only (synthesized ones are the expert's guesses at them)
-    states = {name: _router_states(data, real_prompt_count(data)) for name, data in captured.domains.items()}
+    reads = surgery.router_states
+    states = {name: _router_states(data, reads, real_prompt_count(data)) for name, data in captured.domains.items()}
     splits = {name: split_held_out(s.records, surgery.held_out, settings.seed) for name, s in states.items()}
     eval_states = None
     if surgery.router_eval is not None:
@@ -25,28 +25,19 @@ def router_step(out_path: str, captured, surgery, settings, ctx=None):
 
         ctx = ctx or open_run_context(out_path, surgery, settings)
         eval_data = _capture_router_eval(ctx, surgery, settings)
-        eval_states = _router_states(eval_data)
+        eval_states = _router_states(eval_data, reads)
     return train_router(states, splits, threshold=surgery.router_threshold, fallback_rate=surgery.router_fallback,
-                        kind=surgery.router_kind, seed=settings.seed, eval_states=eval_states)
+                        kind=surgery.router_kind, seed=settings.seed, eval_states=eval_states, reads=reads)
 
 
-def _router_states(data, rows: Optional[int] = None):
-    """The captured prompts as the router sees them: the merged states where the emitted model routes,
-    over the prompt tokens (``rows``: the first rows only)."""
+def _router_states(data, reads: str, rows: Optional[int] = None):
+    """The captured prompts as the router sees them (``reads``: "final", the merged model's final states;
+    "block_input", the first adapted block's input), over the prompt tokens (``rows``: the first rows only)."""
     from mergekit_darts.repair.router_prefix import PromptStates
 
-    view = _router_view(data)
-    rows = view.merged_hidden.shape[0] if rows is None else rows
-    return PromptStates(view.merged_hidden[:rows], view.prompt_lengths[:rows])
-
-
-def _router_view(data):
-    """The captured domain as the router sees it: its merged states where the emitted model routes."""
-    import dataclasses
-
-    if getattr(data, "block_inputs", None) is None:
-        return data
-    return dataclasses.replace(data, merged_hidden=data.block_inputs)
+    hidden = data.block_inputs if reads == "block_input" else data.merged_hidden
+    rows = hidden.shape[0] if rows is None else rows
+    return PromptStates(hidden[:rows], data.prompt_lengths[:rows])
 
 
 def _capture_router_eval(ctx, surgery, settings):
@@ -61,4 +52,4 @@ def _capture_router_eval(ctx, surgery, settings):
         texts = apply_chat_template(texts, ctx.tokenizer, where=f"{where}.chat_template")
     spec = DomainCaptureSpec(name="router_eval", expert=ctx.merged_dir, texts=texts,
                              add_special_tokens=not surgery.router_eval.chat_template)
-    return capture_merged_prompts(ctx, spec, depth=surgery.depth)
+    return capture_merged_prompts(ctx, spec, depth=surgery.depth if surgery.router_states == "block_input" else 0)

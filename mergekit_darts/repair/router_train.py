@@ -147,12 +147,13 @@ def swapped_fallback(pooled: Dict[str, Pooled], records: Dict[str, torch.Tensor]
 def train_router(states: Dict[str, PromptStates], splits: Dict[str, Tuple[torch.Tensor, torch.Tensor]], *,
                  threshold: Optional[float] = None, fallback_rate: float = DEFAULT_FALLBACK_RATE,
                  kind: str = "auto", seed: int = 0, folds: int = FOLDS,
-                 eval_states: Optional[PromptStates] = None) -> Tuple[DomainRouter, dict]:
+                 eval_states: Optional[PromptStates] = None, reads: str = "final") -> Tuple[DomainRouter, dict]:
     """Fit, select, calibrate and measure the router (module docstring); returns (router, report entry).
 
     ``splits``: {domain: (train records, held-out records)} (the surgery's split). ``threshold``:
     an explicit gate (None: conformal at ``fallback_rate``). ``eval_states``: ``router_eval``
-    prompts (out of domain), else the fallback is measured on swapped domains."""
+    prompts (out of domain), else the fallback is measured on swapped domains. ``reads``: which states
+    ``states`` are (the router's ``states``: "final" or "block_input"), written into its settings."""
     names = list(states)
     generator = torch.Generator().manual_seed(seed)
     shared = shared_prefix_length(list(states.values()))  # a chat template: prefixes count after it
@@ -184,6 +185,7 @@ def train_router(states: Dict[str, PromptStates], splits: Dict[str, Tuple[torch.
         calibration["threshold"] = "explicit" if threshold is not None else "default (too few records to calibrate)"
         threshold = DEFAULT_THRESHOLD if threshold is None else threshold
     router = _fit(pooled, train, chosen_kind, float(min(max(threshold, 0.0), 1.0)))
+    router.states = reads
 
     held_everywhere = all(splits[name][1].numel() for name in names)
     split = "held_out" if held_everywhere else "train"
