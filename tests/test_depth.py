@@ -86,6 +86,7 @@ def test_pipeline_exports_depth_and_the_emitted_model_matches_training(depth_out
     assert read_darts_info(out)["depth"] == 1
     card = open(f"{out}/README.md").read()
     assert "rank-2 adapters on every linear of the last 1 decoder block(s)" in card
+    assert "from the merged model's own final hidden states, without the correction" in card
 
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     ids = torch.randint(3, model.config.vocab_size, (2, 6))

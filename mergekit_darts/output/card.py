@@ -145,11 +145,13 @@ def _router_lines(settings: Optional[dict], measured: Optional[dict]) -> list:
     rate = (measured.get("calibration") or {}).get("fallback_rate")
     gate = (f"calibrated so that about {_pct(rate)} of in-domain prompts fall back" if how == "conformal" and rate is not None
             else "set in the configuration" if how == "explicit" else "the default")
+    states = ("input of the first adapted block" if settings.get("states") == "block_input"
+              else "final hidden states, without the correction")
     lines = [
         "",
         "### Automatic domain routing",
         "",
-        f"`darts_domain=\"auto\"` picks each prompt's domain from the merged model's own hidden states "
+        f"`darts_domain=\"auto\"` picks each prompt's domain from the merged model's own {states} "
         f"(mean-pooled prompt, {settings['kind']} router); a prompt whose confidence is below "
         f"{settings['threshold']:.4g} ({gate}) gets `none` (the plain merge).",
         "",
