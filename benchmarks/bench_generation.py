@@ -9,7 +9,9 @@ once with ``trust_remote_code=True`` and times greedy ``generate`` (KV cache on)
   the per-row path, masked selections over every domain, also at batch 1,
 * ``auto``:  ``set_darts_domain("auto")``: the router picks each row's domain at the prefill and the
   row keeps it (docs/routing.md). The exported router is built so that every timed prompt routes to
-  the ``darts`` variant's domain (checked before timing), so auto/darts is the routing's own cost,
+  the ``darts`` variant's domain (checked before timing), so auto/darts is the routing's own cost
+  (with ``--depth`` and ``--router-states final``, the default, that includes the plain pass over the
+  prompt that the router reads; ``block_input`` reads the first adapted block's input instead),
 * ``none``:  the same loaded model after ``set_darts_domain("none")``,
 * ``plain``: the same directory loaded without remote code (plain LlamaForCausalLM), as a check
   that the hooks cost nothing when no domain is active (``--no-plain`` skips it).
@@ -47,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--depth", type=int, default=0,
                    help="also give every domain random rank-8 adapters on the last DEPTH blocks' linears")
+    p.add_argument("--router-states", choices=["final", "block_input"], default="final",
+                   help="with --depth: what the router reads (final: a plain pass over the prompt)")
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--domains", type=int, default=3, help="surgery modules exported (one is active)")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -110,19 +114,20 @@ def export_router(path: str, modules: dict, args) -> None:
     from mergekit_darts.remote_code.routing import DomainRouter, pool_prompt_states
 
     model = load(path, args, remote=True)
-    seen = []  # with --depth the router reads the first adapted block's input, as the model does
-    if args.depth:
+    block_input = args.depth and args.router_states == "block_input"
+    seen = []  # a block_input router reads the first adapted block's input, as the model does
+    if block_input:
         model.model.layers[-args.depth].register_forward_pre_hook(
             lambda module, a, kw: seen.append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
     states = []
     with torch.inference_mode():
         for b in args.batch:
             final = model.model(input_ids=bench_prompts(b, args).to(args.device)).last_hidden_state
-            states.append(pool_prompt_states(seen[-1] if args.depth else final).cpu())
+            states.append(pool_prompt_states(seen[-1] if block_input else final).cpu())
     pooled = torch.cat(states)
     del model
     centroid = torch.nn.functional.normalize(pooled.mean(dim=0), dim=0)
-    router = DomainRouter(args.hidden, list(modules), threshold=0.0)
+    router = DomainRouter(args.hidden, list(modules), threshold=0.0, states=args.router_states)
     with torch.no_grad():
         for index in range(len(modules)):
             sign = 1.0 if index == 0 else -1.0
