@@ -1,6 +1,7 @@
 """Tables of docs/quality.md "Starting from the weight deltas" from benchmarks/results/quality_synthesis.json:
 the data-free extract (``extract_all{r}``) against the same adapters trained from it (``best_delta{r}``)
-by rank, and the six-seed comparison with today's ``preset: best`` (``best_all1``), Mann–Whitney U.
+by rank, and the six-seed comparisons with the previous ``preset: best`` (``best_all1``) and with the same
+adapters trained from zero (``best_all8``), Mann–Whitney U.
 
     python benchmarks/delta_init_tables.py [--json]
 
@@ -75,7 +76,8 @@ def main() -> None:
     table = {v: summary(results, v) for v in [*(f"extract_all{r}" for r in RANKS), *(f"best_delta{r}" for r in RANKS),
                                               "best_all1", "best_all8", "kl"] if v in results}
     tests = {"best_delta8 vs best_all1": mann_whitney(results, "best_delta8", "best_all1"),
-             "best_delta8 vs extract_all8": mann_whitney(results, "best_delta8", "extract_all8")}
+             "best_delta8 vs extract_all8": mann_whitney(results, "best_delta8", "extract_all8"),
+             "best_delta8 vs best_all8 (zero start)": mann_whitney(results, "best_delta8", "best_all8")}
     with open(os.path.join(RESULTS_DIR, "quality_synthesis.json")) as handle:  # the same family's references
         references = json.load(handle)["runs"].get("delta_references", {}).get("references", {})
     if args.json:
