@@ -104,6 +104,21 @@ def test_no_graph_breaks_where_the_plain_model_has_none(darts):
         assert explained.graph_break_count == 0, (label, [str(b.reason) for b in explained.break_reasons])
 
 
+def test_block_input_router_compiles_without_graph_breaks(darts, tmp_path):
+    """The other routing point: a ``block_input`` router resolved inside the first adapted layer."""
+    path = str(tmp_path / "block_input")
+    build_darts_dir(path, depth=1, states="block_input")
+    model, inputs = load(path, trust_remote_code=True), forward_inputs(darts["batch"])
+    assert model.darts.router.states == "block_input"
+    explained = torch._dynamo.explain(model)(**inputs, darts_domain="auto")
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        eager = model(**inputs, darts_domain="auto").logits
+        torch.testing.assert_close(compiled(**inputs, darts_domain="auto").logits, eager, rtol=0, atol=TOLERANCE)
+        assert (eager - model(**inputs, darts_domain="none").logits).abs().max() > 1.0
+
+
 def test_fullgraph_compiled_forward_equals_eager(darts):
     model, inputs = darts["model"], forward_inputs(darts["batch"])
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")

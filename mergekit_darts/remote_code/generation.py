@@ -87,12 +87,17 @@ def routing_mask(prompt_mask, attention_mask, length):
     return mask[:, -length:]
 
 
+def router_domain_indices(model) -> tuple:
+    """Router index -> index in ``model.darts_domains``."""
+    return tuple(model.darts_domains.index(name) for name in model.darts.router.domains)
+
+
 def pending_route(model, attention_mask, prompt_mask, step, state, routed, cache, batch, length) -> PendingRoute:
     """The routing of a forward's "auto" rows: a call routes on its own tokens unless it continues a
     sequence whose prompt was seen already (a manual loop's call with a non-empty cache that carries
     the routing sums), which takes those sums; generate's prefill calls add to its carried sums."""
     router = model.darts.router
-    to_domain = tuple(model.darts_domains.index(name) for name in router.domains)
+    to_domain = router_domain_indices(model)
     mask = routing_mask(prompt_mask, attention_mask, length)
     if step == "prefill":  # generate: every prefill chunk adds its tokens to the carried sums
         return PendingRoute(router, to_domain, mask=mask, state=state, accumulate=True, routed=routed)
@@ -149,9 +154,8 @@ def route_prompt(model, input_ids=None, inputs_embeds=None, attention_mask=None)
         if handle is not None:
             handle.remove()
     picked = route_rows(model.darts.router, seen.get("hidden", hidden), mask)
-    to_domain = [model.darts_domains.index(name) for name in model.darts.router.domains]
     # the router's -1 ("none") picks the last entry
-    return torch.tensor(to_domain + [NONE_INDEX], device=picked.device)[picked]
+    return torch.tensor([*router_domain_indices(model), NONE_INDEX], device=picked.device)[picked]
 
 
 # --- routing sums kept on a caller's cache (a hand-written loop) --------------------------------------

@@ -97,8 +97,8 @@ def _device_for(layer: nn.Linear, fallback: torch.device) -> torch.device:
 
 def resolve_route(call: DartsCall, hidden: Optional[torch.Tensor] = None) -> None:
     """Replace the call's AUTO_INDEX rows by the router's pick, from ``hidden`` [B, T, H] (the states the
-    router was trained on: the final norm's output, or with ``depth`` the first adapted block's input)
-    and/or the sums carried from earlier calls. Tensor ops only: the pick never leaves the device."""
+    router was trained on: the plain final norm's output, or for a ``block_input`` router the first
+    adapted block's input) and/or the sums carried from earlier calls. Tensor ops only: the pick never leaves the device."""
     route = call.route
     if route is None or route.done:
         return
@@ -286,7 +286,8 @@ _CLASS_LOCK = threading.Lock()
 
 def adapted_layer_class(base: type) -> type:
     """A subclass of the decoder layer class ``base`` whose ``forward`` takes the keyword ``darts_call``:
-    it routes pending rows from its input (the first adapted layer) and makes the call active for its
+    it routes pending rows from its input (the first adapted layer, for a ``block_input`` router; a
+    ``final`` one was resolved before the forward) and makes the call active for its
     linears while it runs. Gradient checkpointing (``GradientCheckpointingLayer``) checkpoints this
     ``forward`` with its keywords, so the recompute, possibly on another thread, sees the same call.
     The subclass keeps ``base``'s ``__name__`` (accelerate's ``_no_split_modules`` match by name)."""

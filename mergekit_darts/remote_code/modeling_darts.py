@@ -305,7 +305,8 @@ class DartsMixin:
             kwargs["darts_domain"] = NONE_DOMAIN if plan is None else self.darts_domains[plan[0]]
         else:
             kwargs["darts_rows"] = plan[1].to(device)
-            if plan[2] and bool((plan[1] == AUTO_INDEX).any()) and routes_on_plain_pass(self):
+            routed = plan[2] and bool((plan[1] == AUTO_INDEX).any())
+            if routed and routes_on_plain_pass(self):
                 # the whole prompt (earlier turns in a passed cache included) routed up front: every step
                 # then gets fixed rows, whatever the prefill's chunking or drafts
                 embeds = kwargs.get("inputs_embeds")
@@ -313,7 +314,7 @@ class DartsMixin:
                                       attention_mask=kwargs.get("attention_mask"))
                 kwargs["darts_rows"] = torch.where(kwargs["darts_rows"] == AUTO_INDEX, picked.to(device),
                                                    kwargs["darts_rows"])
-            elif plan[2] and bool((plan[1] == AUTO_INDEX).any()):
+            elif routed:
                 kwargs["darts_route_state"] = prefill_route_state(kwargs.get("cache", kwargs.get("past_key_values")),
                                                                   batch, self.config.hidden_size, device)
                 kwargs["darts_routed_rows"] = kwargs["darts_rows"].clone()
