@@ -29,6 +29,9 @@ def machine_info() -> Dict[str, object]:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        # the vector kernels torch dispatches to (AVX2, AVX512, ...): float results, and so the demo's
+        # trained family, differ between them (docs/results.md#the-demo); ATEN_CPU_CAPABILITY overrides it
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
     try:

@@ -1,12 +1,13 @@
 """Tables of docs/quality.md "Starting from the weight deltas" from benchmarks/results/quality_synthesis.json:
 the data-free extract (``extract_all{r}``) against the same adapters trained from it (``best_delta{r}``)
 by rank, and the six-seed comparisons with the previous ``preset: best`` (``best_all1``) and with the same
-adapters trained from zero (``best_all8``), Mann–Whitney U.
+adapters trained from zero (``best_all8``), Mann–Whitney U; then the same variants with 450 prompts
+more written by the base model and answered by the expert (condition ``synth500``, ``synthesize``).
 
     python benchmarks/delta_init_tables.py [--json]
 
-The runs come from ``bench_synthesis.py`` (condition ``real50``: the demo's 50 prompts per domain);
-every (variant, seed) found under any tag is pooled.
+The runs come from ``bench_synthesis.py`` (condition ``real50``: the demo's 50 prompts per domain;
+``synth500``: those and 450 synthesized); every (variant, seed) found under any tag is pooled.
 """
 
 import argparse
@@ -52,13 +53,14 @@ def summary(results: dict, variant: str) -> dict:
     }
 
 
-def mann_whitney(results: dict, a: str, b: str) -> dict:
+def mann_whitney(results: dict, a: str, b: str, results_b: dict = None) -> dict:
+    """Two-sided p per domain of ``a``'s task scores against ``b``'s (``b`` from ``results_b`` if given)."""
     from scipy.stats import mannwhitneyu
 
     out = {}
     for domain in DOMAINS:
         xs = [r["scores"][domain] for r in results.get(a, {}).values() if r.get("scores")]
-        ys = [r["scores"][domain] for r in results.get(b, {}).values() if r.get("scores")]
+        ys = [r["scores"][domain] for r in (results_b or results).get(b, {}).values() if r.get("scores")]
         if len(xs) >= 2 and len(ys) >= 2:
             out[domain] = float(mannwhitneyu(xs, ys, alternative="two-sided").pvalue)
     return out
@@ -72,12 +74,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results = pooled()
+    results, synthesized = pooled(), pooled("synth500")
     table = {v: summary(results, v) for v in [*(f"extract_all{r}" for r in RANKS), *(f"best_delta{r}" for r in RANKS),
                                               "best_all1", "best_all8", "kl"] if v in results}
+    table.update({f"synth500 {v}": summary(synthesized, v) for v in ("best_delta8", "best_all8", "best_all1", "best")
+                  if v in synthesized})
     tests = {"best_delta8 vs best_all1": mann_whitney(results, "best_delta8", "best_all1"),
              "best_delta8 vs extract_all8": mann_whitney(results, "best_delta8", "extract_all8"),
-             "best_delta8 vs best_all8 (zero start)": mann_whitney(results, "best_delta8", "best_all8")}
+             "best_delta8 vs best_all8 (zero start)": mann_whitney(results, "best_delta8", "best_all8"),
+             "synth500 best_delta8 vs synth500 best_all8 (zero start)":
+                 mann_whitney(synthesized, "best_delta8", "best_all8"),
+             "synth500 best_delta8 vs real50 best_delta8": mann_whitney(synthesized, "best_delta8", "best_delta8", results),
+             "synth500 best_delta8 vs real50 best_all1": mann_whitney(synthesized, "best_delta8", "best_all1", results)}
     with open(os.path.join(RESULTS_DIR, "quality_synthesis.json")) as handle:  # the same family's references
         references = json.load(handle)["runs"].get("delta_references", {}).get("references", {})
     if args.json:
@@ -85,7 +93,7 @@ def main() -> None:
         return
     for name, scores in references.items():
         print(f"reference {name}: " + " / ".join(f"{scores[d]:.0f}" for d in DOMAINS))
-    print("| variant | seeds | task scores math / code / instruct | gap closed | train s (median) | params (demo) |")
+    print("| variant (condition real50 unless named) | seeds | task scores math / code / instruct | gap closed | train s (median) | params (demo) |")
     print("|---|---|---|---|---|---|")
     for variant, row in table.items():
         print(f"| `{variant}` | {len(row['seeds'])} | {_cells(row['scores'].values())} | "

@@ -248,6 +248,8 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
         scores["average"] = sum(scores[d] for d in domains) / len(domains)
     result = {
         "seed": seed, "quick": quick, "family_version": FAMILY_VERSION, "sizes": asdict(sizes),
+        # the family's float results depend on the vector kernels (docs/results.md#the-demo)
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "test_examples": {d: len(test[d]) for d in domains}, "rows": rows, "labels": labels,
         "surgery_losses": {k: {d: e.get("final_loss") for d, e in r["domains"].items()} for k, r in reports.items()},
         "bias": {k: {d: [e["bias"]["mean_before"], e["bias"]["mean_after"]] for d, e in r["domains"].items()}
