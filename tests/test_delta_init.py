@@ -94,7 +94,8 @@ def test_zero_init_reports_the_extract_beside_the_trained_module(tiny_family, tm
 
 def test_mergekit_yaml_with_preset_best_trains_from_the_extract(extract_output, tiny_family, tmp_path):
     """The unchanged ``mergekit-yaml`` with ``preset: best`` (adapter_init: delta, every block): the
-    report's baseline is the extract of the same merge, and training moved away from it."""
+    report's baseline is the extract of the same merge, and training moved away from it. Math adds
+    prompts the base writes (docs/quality.md's recipe): they only train, so its baseline is unchanged."""
     import json
     import subprocess
     import sys
@@ -102,8 +103,10 @@ def test_mergekit_yaml_with_preset_best_trains_from_the_extract(extract_output, 
 
     from helpers import QUICK_TEXTS, merge_yaml
 
+    written = {"math": f", synthesize: 2, synthesize_writer: {tiny_family['base']}", "code": ""}
     domains = "".join(f"    {name}:\n      model: {tiny_family[name]}\n"
-                      f"      calibration: {{texts: {QUICK_TEXTS[name]}, samples: 3}}\n" for name in ("math", "code"))
+                      f"      calibration: {{texts: {QUICK_TEXTS[name]}, samples: 3{written[name]}}}\n"
+                      for name in ("math", "code"))
     config = tmp_path / "cfg.yml"
     config.write_text(merge_yaml(tiny_family) + "surgery:\n  preset: best\n  rank: 2\n  depth_rank: 2\n  head_rank: 2\n"
                       f"  max_positions: 16\n  steps: 5\n  lr: 0.01\n  device: cpu\n  held_out: 0.34\n"
@@ -115,6 +118,8 @@ def test_mergekit_yaml_with_preset_best_trains_from_the_extract(extract_output, 
     assert "data-free extract (rank 2 + head 2" in result.stderr
     trained = json.loads((out / "darts_report.json").read_text())
     assert trained["surgery"]["adapter_init"] == "delta" and trained["surgery"]["depth"] == 2
+    synthesis = trained["domains"]["math"]["calibration"]["synthesis"]
+    assert synthesis["kept"] > 0 and trained["domains"]["math"]["calibration"]["train"] == 2 + synthesis["kept"]
     for name, entry in extract_output[1]["domains"].items():
         # the same merge, so the same extract; the trained adapters moved away from it
         assert trained["domains"][name]["baseline"]["held_out_kl"]["after"] == pytest.approx(
