@@ -66,6 +66,24 @@ def mann_whitney(results: dict, a: str, b: str, results_b: dict = None) -> dict:
     return out
 
 
+def curve(results: dict) -> dict:
+    """Per rank, the trained adapters' (``best_delta{r}``) mean task scores and gap over the seeds every
+    rank was trained on, beside the extract's (one number: no data, no training)."""
+    trained = [results.get(f"best_delta{r}", {}) for r in RANKS]
+    seeds = sorted(set.intersection(*(set(t) for t in trained)), key=int) if all(trained) else []
+    rows = {}
+    for rank, runs in zip(RANKS, trained):
+        picked = [runs[s] for s in seeds]
+        extract = next(iter(results.get(f"extract_all{rank}", {}).values()), None)
+        rows[rank] = {
+            "extract_scores": extract and extract.get("scores"),
+            "trained_scores": {d: _mean([r["scores"][d] for r in picked]) for d in DOMAINS},
+            "trained_scores_by_seed": {d: [r["scores"][d] for r in picked] for d in DOMAINS},
+            "trained_gap_closed": {d: _mean([r["domains"][d]["gap_closed"] for r in picked]) for d in DOMAINS},
+        }
+    return {"seeds": [int(s) for s in seeds], "ranks": rows}
+
+
 def _cells(values, digits=1):
     return " / ".join("–" if v is None else f"{v:.{digits}f}" for v in values)
 
@@ -88,8 +106,10 @@ def main() -> None:
              "synth500 best_delta8 vs real50 best_all1": mann_whitney(synthesized, "best_delta8", "best_all1", results)}
     with open(os.path.join(RESULTS_DIR, "quality_synthesis.json")) as handle:  # the same family's references
         references = json.load(handle)["runs"].get("delta_references", {}).get("references", {})
+    by_rank = curve(results)
     if args.json:
-        print(json.dumps({"references": references, "variants": table, "mann_whitney_p": tests}, indent=1))
+        print(json.dumps({"references": references, "variants": table, "mann_whitney_p": tests,
+                          "rank_curve": by_rank}, indent=1))
         return
     for name, scores in references.items():
         print(f"reference {name}: " + " / ".join(f"{scores[d]:.0f}" for d in DOMAINS))
@@ -99,6 +119,14 @@ def main() -> None:
         print(f"| `{variant}` | {len(row['seeds'])} | {_cells(row['scores'].values())} | "
               f"{_cells(row['gap_closed'].values(), 3)} | {_cells(row['train_s_median'].values(), 0)} | "
               f"{row['parameters']['math']:,} |")
+    print(f"\nrank curve, trained from the deltas: mean over seeds {by_rank['seeds']} (the extract: one number)")
+    print("| rank | extract math / code / instruct | trained | trained math by seed | trained gap closed |")
+    print("|---|---|---|---|---|")
+    for rank, row in by_rank["ranks"].items():
+        extract = row["extract_scores"] or {}
+        by_seed = " / ".join(f"{v:.0f}" for v in row["trained_scores_by_seed"]["math"])
+        print(f"| {rank} | {_cells([extract.get(d) for d in DOMAINS], 0)} | {_cells(row['trained_scores'].values())} | "
+              f"{by_seed} | {_cells(row['trained_gap_closed'].values(), 2)} |")
     for name, ps in tests.items():
         print(f"Mann–Whitney p ({name}): " + ", ".join(f"{d} {p:.3f}" for d, p in ps.items()))
 
