@@ -100,6 +100,10 @@ def main() -> None:
     tests = {"best_delta8 vs best_all1": mann_whitney(results, "best_delta8", "best_all1"),
              "best_delta8 vs extract_all8": mann_whitney(results, "best_delta8", "extract_all8"),
              "best_delta8 vs best_all8 (zero start)": mann_whitney(results, "best_delta8", "best_all8"),
+             "best_delta16 vs best_delta8": mann_whitney(results, "best_delta16", "best_delta8"),
+             "best_delta4 vs best_delta8": mann_whitney(results, "best_delta4", "best_delta8"),
+             "best_delta1 vs best_all1 (within 0.1 %: the deltas vs zero at rank 1)":
+                 mann_whitney(results, "best_delta1", "best_all1"),
              "synth500 best_delta8 vs synth500 best_all8 (zero start)":
                  mann_whitney(synthesized, "best_delta8", "best_all8"),
              "synth500 best_delta8 vs real50 best_delta8": mann_whitney(synthesized, "best_delta8", "best_delta8", results),
