@@ -98,7 +98,6 @@ def main() -> None:
     table.update({f"synth500 {v}": summary(synthesized, v) for v in ("best_delta8", "best_all8", "best_all1", "best")
                   if v in synthesized})
     tests = {"best_delta8 vs best_all1": mann_whitney(results, "best_delta8", "best_all1"),
-             "best_delta8 vs extract_all8": mann_whitney(results, "best_delta8", "extract_all8"),
              "best_delta8 vs best_all8 (zero start)": mann_whitney(results, "best_delta8", "best_all8"),
              "best_delta16 vs best_delta8": mann_whitney(results, "best_delta16", "best_delta8"),
              "best_delta4 vs best_delta8": mann_whitney(results, "best_delta4", "best_delta8"),
