@@ -29,8 +29,8 @@ from router_states import HELD_OUT, SEED, merged_prompt_states  # noqa: E402
 
 
 def measure(workdir: str) -> Dict[str, dict]:
-    import mergekit_darts.repair.router_train as router_train
-    from mergekit_darts.repair.router_prefix import pooled_at
+    import mergekit_darts.repair.route.train as router_train
+    from mergekit_darts.repair.route.prefix import pooled_at
     from mergekit_darts.repair.train.split import split_held_out
     from transformers import AutoTokenizer
 

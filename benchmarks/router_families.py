@@ -68,7 +68,7 @@ def capture(root, splits, paths, merged, field):
     from mergekit_darts.config import parse_surgery_block
     from mergekit_darts.pipeline import capture_context
     from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
-    from mergekit_darts.repair.router_prefix import PromptStates
+    from mergekit_darts.repair.route.prefix import PromptStates
     from mergekit_darts.settings import RunSettings
 
     surgery = parse_surgery_block({
@@ -91,23 +91,23 @@ def capture(root, splits, paths, merged, field):
 
 def old_router(calib, splits):
     """The router before issue 30: nearest centroid on whole training records, threshold 0.02."""
-    from mergekit_darts.repair.router import fit_router
-    from mergekit_darts.repair.router_prefix import pooled_at
+    from mergekit_darts.repair.route.router import fit_router
+    from mergekit_darts.repair.route.prefix import pooled_at
 
     train = {d: pooled_at(states.subset(splits[d][0]), (None,))["all"] for d, states in calib.items()}
     return fit_router(train, kind="centroid", threshold=0.02)
 
 
 def measure(router, test) -> dict:
-    from mergekit_darts.repair.router_prefix import pooled_at
-    from mergekit_darts.repair.router_train import by_prefix
+    from mergekit_darts.repair.route.prefix import pooled_at
+    from mergekit_darts.repair.route.train import by_prefix
 
     return by_prefix(router, {d: pooled_at(states) for d, states in test.items()})
 
 
 def swapped(router_fn, calib, splits) -> dict:
     """{domain: {label: share to none}}: the router (same recipe) fitted without that domain."""
-    from mergekit_darts.repair.router_prefix import pooled_at
+    from mergekit_darts.repair.route.prefix import pooled_at
 
     shares = {}
     for name in calib:
@@ -119,7 +119,7 @@ def swapped(router_fn, calib, splits) -> dict:
 
 
 def run_family(root, family, seed):
-    from mergekit_darts.repair.router_train import train_router
+    from mergekit_darts.repair.route.train import train_router
     from mergekit_darts.repair.train.split import split_held_out
 
     started = time.perf_counter()

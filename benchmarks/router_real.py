@@ -51,9 +51,9 @@ def main(argv=None):
     from mergekit_darts.config import parse_surgery_block
     from mergekit_darts.pipeline import capture_context
     from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
-    from mergekit_darts.repair.router import fit_router
-    from mergekit_darts.repair.router_prefix import PromptStates, pooled_at
-    from mergekit_darts.repair.router_train import by_prefix, train_router
+    from mergekit_darts.repair.route.router import fit_router
+    from mergekit_darts.repair.route.prefix import PromptStates, pooled_at
+    from mergekit_darts.repair.route.train import by_prefix, train_router
     from mergekit_darts.repair.train.split import split_held_out
     from mergekit_darts.settings import RunSettings
 

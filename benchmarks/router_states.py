@@ -44,7 +44,7 @@ def merged_prompt_states(merged: str, groups: Dict[str, List[str]], max_position
     from mergekit_darts.config import parse_surgery_block
     from mergekit_darts.pipeline import capture_context
     from mergekit_darts.repair.capture.domains import DomainCaptureSpec, capture_merged_prompts
-    from mergekit_darts.repair.router_prefix import PromptStates
+    from mergekit_darts.repair.route.prefix import PromptStates
     from mergekit_darts.settings import RunSettings
 
     layers = AutoConfig.from_pretrained(merged).num_hidden_layers
@@ -71,7 +71,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     from router_families import measure, swapped
 
-    from mergekit_darts.repair.router_train import train_router
+    from mergekit_darts.repair.route.train import train_router
     from mergekit_darts.repair.train.split import split_held_out
 
     groups = {}

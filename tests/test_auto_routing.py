@@ -15,7 +15,7 @@ import torch
 from loading_helpers import VISIBLE, make_tiny_darts_dir, run_concurrently
 from mergekit_darts.output.export import export_surgery
 from mergekit_darts.remote_code.routing import pool_prompt_states, pooled_from_sums
-from mergekit_darts.repair.router import fit_router
+from mergekit_darts.repair.route.router import fit_router
 from test_modeling import PAD, PROMPTS, load, tokenizer_for
 from test_router import CODE, MATH, _config
 

@@ -19,7 +19,7 @@ from mergekit_darts.output.export import export_surgery
 from mergekit_darts.remote_code.blocks import block_linear_targets
 from mergekit_darts.remote_code.routing import pool_prompt_states
 from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
-from mergekit_darts.repair.router import fit_router
+from mergekit_darts.repair.route.router import fit_router
 from mergekit_darts.tiny import make_random_model
 from test_modeling import PAD, load, tokenizer_for
 from test_router import CODE, MATH

@@ -15,8 +15,8 @@ from mergekit_darts.output import layout
 from mergekit_darts.output.export import export_surgery, read_darts_info
 from mergekit_darts.remote_code.routing import NO_ROUTE, DomainRouter, pool_prompt_states, route_rows
 from mergekit_darts.remote_code.surgery import DomainSurgery
-from mergekit_darts.repair.router import confusion, fit_router, pooled_prompts, prompt_mask, route_pooled
-from mergekit_darts.repair.router_prefix import PromptStates, pool_prefixes
+from mergekit_darts.repair.route.router import confusion, fit_router, pooled_prompts, prompt_mask, route_pooled
+from mergekit_darts.repair.route.prefix import PromptStates, pool_prefixes
 
 DATA = Path(__file__).parent / "data"
 HIDDEN = 32
@@ -106,7 +106,7 @@ def test_router_step_reads_the_states_it_is_told():
     input (both captured with depth)."""
     import types
 
-    from mergekit_darts.repair.router_step import _router_states
+    from mergekit_darts.repair.route.step import _router_states
 
     final, block = torch.randn(3, 5, HIDDEN), torch.randn(3, 5, HIDDEN)
     data = types.SimpleNamespace(merged_hidden=final, block_inputs=block, prompt_lengths=torch.tensor([5, 4, 3]))

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from mergekit_darts.remote_code.routing import NO_ROUTE, pool_prompt_states
-from mergekit_darts.repair.router import fit_router
-from mergekit_darts.repair.router_prefix import (PromptStates, measured_prefixes, pool_prefixes, pooled_at,
+from mergekit_darts.repair.route.router import fit_router
+from mergekit_darts.repair.route.prefix import (PromptStates, measured_prefixes, pool_prefixes, pooled_at,
                                                  training_prefixes)
-from mergekit_darts.repair.router_train import conformal_threshold, train_router
+from mergekit_darts.repair.route.train import conformal_threshold, train_router
 
 HIDDEN = 32
 
@@ -164,8 +164,8 @@ def _chat_family(generator, template=24, records=40):
 
 
 def test_prefixes_count_after_a_shared_chat_template_so_foreign_requests_fall_back(monkeypatch):
-    import mergekit_darts.repair.router_train as router_train
-    from mergekit_darts.repair.router_prefix import shared_prefix_length
+    import mergekit_darts.repair.route.train as router_train
+    from mergekit_darts.repair.route.prefix import shared_prefix_length
 
     states = _chat_family(torch.Generator().manual_seed(0))
     everyday = states.pop("everyday")

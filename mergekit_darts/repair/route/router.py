@@ -6,7 +6,7 @@ prompt tokens only (``CapturedDomain.prompt_lengths``; a continued calibration s
 tokens are left out), pooled by ``remote_code.routing.pool_prompt_states``. Fitting is closed-form
 (nearest centroid) or a few hundred full-batch L-BFGS steps (logistic regression): seconds on CPU,
 deterministic for a given input. What it is fitted on (prompt prefixes), which classifier is kept
-and where the gate sits are chosen in ``router_train``.
+and where the gate sits are chosen in ``route.train``.
 """
 
 import logging
@@ -21,7 +21,7 @@ LOG = logging.getLogger(__name__)
 
 DEFAULT_KIND = "centroid"
 # The gate used when it cannot be calibrated (a domain with a single training record); otherwise the
-# threshold is conformal (router_train) or the user's router_threshold.
+# threshold is conformal (route.train) or the user's router_threshold.
 DEFAULT_THRESHOLD = 0.02
 _STD_FLOOR = 1e-3  # a domain with one training record (std 0) would reject everything else
 NONE_LABEL = "none"

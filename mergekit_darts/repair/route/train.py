@@ -2,7 +2,7 @@
 
 From the captured prompt states of each domain's training records:
 
-1. **prefixes**: every record whole plus random prefixes of it (``router_prefix.training_prefixes``),
+1. **prefixes**: every record whole plus random prefixes of it (``route.prefix.training_prefixes``),
    pooled as the emitted model pools a prompt of that length;
 2. **classifier**: nearest centroid and a logistic-regression probe are both fitted in
    ``folds``-fold cross-validation over the training records and scored on the left-out fold's
@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from mergekit_darts.remote_code.routing import NO_ROUTE, DomainRouter
-from mergekit_darts.repair.router import DEFAULT_THRESHOLD, NONE_LABEL, fit_router
-from mergekit_darts.repair.router_prefix import (PREFIX_LENGTHS, TRAIN_PREFIXES, PromptStates, pool_prefixes,
+from mergekit_darts.repair.route.router import DEFAULT_THRESHOLD, NONE_LABEL, fit_router
+from mergekit_darts.repair.route.prefix import (PREFIX_LENGTHS, TRAIN_PREFIXES, PromptStates, pool_prefixes,
                                                  pooled_at, prefix_label, shared_prefix_length, training_prefixes)
 
 LOG = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ def router_step(out_path: str, captured, surgery, settings, ctx=None):
     classifier and gate chosen in cross-validation on the training records; measured on the
     surgery's held-out records and on ``router_eval`` (or swapped domains). ``surgery`` and
     ``settings``: the run's SurgeryConfig and RunSettings. Returns (router, entry)."""
-    from mergekit_darts.repair.router_train import train_router
+    from mergekit_darts.repair.route.train import train_router
 
     # the greedy rows only: a sampled continuation repeats its prompt, whose pooled state would then
     # sit on both sides of the router's held-out split
@@ -33,7 +33,7 @@ def router_step(out_path: str, captured, surgery, settings, ctx=None):
 def _router_states(data, reads: str, rows: Optional[int] = None):
     """The captured prompts as the router sees them (``reads``: "final", the merged model's final states;
     "block_input", the first adapted block's input), over the prompt tokens (``rows``: the first rows only)."""
-    from mergekit_darts.repair.router_prefix import PromptStates
+    from mergekit_darts.repair.route.prefix import PromptStates
 
     hidden = data.block_inputs if reads == "block_input" else data.merged_hidden
     rows = hidden.shape[0] if rows is None else rows
