@@ -18,7 +18,7 @@ from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surg
                                    split_yaml)
 from mergekit_darts.console import before_after
 from mergekit_darts.errors import io_error, yaml_error_line
-from mergekit_darts.repair.router_step import router_step  # noqa: F401  (benchmarks import it from here)
+from mergekit_darts.repair.route.step import router_step  # noqa: F401  (benchmarks import it from here)
 from mergekit_darts.repair.stages import StageClock, stage_line
 from mergekit_darts.repair.train.domain import train_domain
 from mergekit_darts.settings import RunSettings
@@ -169,7 +169,7 @@ def summary_lines(report: dict) -> List[str]:
     if isinstance(default, dict) and default.get("used") != default.get("requested"):
         lines.append(f"default domain: {default['used']} (requested {default['requested']}: {default.get('reason')})")
     if report.get("router"):
-        from mergekit_darts.repair.router import summary_lines as router_lines
+        from mergekit_darts.repair.route.router import summary_lines as router_lines
 
         lines += router_lines(report["router"])
     return lines + stage_line(report.get("stages"))
