@@ -122,6 +122,24 @@ def test_the_judges_work_on_the_programs_values_is_bounded(watched, every_mode):
         assert took < timeout + 4 and cpu < 1.0, (tests, took, cpu)  # the evaluator itself did not do the work
 
 
+# frames written by hand that are not JSON: the C scanner, with no json.decoder imported in the judge,
+# raised SystemError for the malformed object / array / string ones, which the tests could catch
+MALFORMED_FRAME = textwrap.dedent("""\
+    import os, sys, time
+    def f(x):
+        payload = %r
+        os.write(sys._getframe(1).f_locals["reply_fd"], len(payload).to_bytes(4, "big") + payload)
+        time.sleep(100)
+    """)
+
+
+@pytest.mark.parametrize("payload", [b'{"a" 1}', b'{"value": [1 2]}', b'{"value": "\\u12"}', b'{"value": 1'])
+def test_a_malformed_reply_frame_is_a_protocol_violation_the_tests_cannot_catch(watched, payload):
+    swallowing = "try:\n    f(1)\nexcept Exception as error:\n    pass\n"
+    result = watched.check(attack(MALFORMED_FRAME % payload, tests=swallowing))
+    assert result.status == "error" and "protocol violation: not a JSON frame" in result.output, result
+
+
 def test_exit_0_after_printing_anything_is_a_fail(watched):
     for where in ("top", "call"):
         body = "print('passed'); print('OK', flush=True); os.write(1, b'\\n' + b'0' * 32); os._exit(0)"

@@ -216,6 +216,12 @@ def _loads(text):
         value, end = make_scanner(_JsonSettings())(text, 0)
     except StopIteration:
         raise ValueError("not JSON") from None
+    except SystemError:
+        # the C scanner reports a malformed object, array or string through json.decoder's
+        # JSONDecodeError, which it looks up in sys.modules only: without json imported (never here:
+        # importing it because of the program's bytes would change the tests' process) that lookup
+        # fails and the scanner ends in SystemError. Either way the frame is not JSON.
+        raise ValueError("not JSON") from None
     if end != len(text):
         raise ValueError("extra data after the JSON value")
     return value
