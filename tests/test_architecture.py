@@ -105,3 +105,14 @@ def test_no_module_imports_another_modules_private_name():
                 crossing += [f"{path.relative_to(PACKAGE)}: {node.module}.{alias.name}" for alias in node.names
                              if alias.name.startswith("_") and not alias.name.startswith("__")]
     assert not crossing, crossing
+
+
+def test_repair_imports_nothing_from_output():
+    """repair/ runs before the export and below it: what both need (the weight-file reader) lives in
+    ``mergekit_darts.weight_files``, below both."""
+    crossing = []
+    for path in (PACKAGE / "repair").rglob("*.py"):
+        name = _module_name(path)
+        crossing += [f"{name} -> {target}" for target in _imports(path, name)
+                     if target == "mergekit_darts.output" or target.startswith("mergekit_darts.output.")]
+    assert not crossing, crossing

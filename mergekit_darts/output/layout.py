@@ -8,10 +8,15 @@ transformers); the constants they repeat are checked against these by the tests.
 
 import json
 import os
-import struct
 from typing import Dict, Optional
 
 from mergekit_darts.errors import FormatError
+# the weight files' names and readers live below output/ and repair/ (both read model weights);
+# they are part of the output format, so this module names them too
+from mergekit_darts.weight_files import (  # noqa: F401 - re-exported
+    DARTS_SHARD, DARTS_TENSOR_PREFIX, INDEX, SINGLE_SHARD, SINGLE_WEIGHTS, merged_weight_map, numel, read_json,
+    safetensors_header, shard_path, tensor_bytes,
+)
 
 # config.json keys
 DARTS_KEY = "darts"  # the correction's description (see ``darts_entry``)
@@ -23,11 +28,6 @@ RESERVED_DOMAINS = (NONE_DOMAIN, AUTO_DOMAIN, ROUTER_NAME)
 ARCH_PREFIX = "Darts"  # DartsLlamaForCausalLM wraps LlamaForCausalLM
 # files
 MODELING_FILES = ("modeling_darts.py", "surgery.py", "blocks.py", "routing.py", "hooks.py", "generation.py")  # copied from mergekit_darts/remote_code
-SINGLE_WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-SINGLE_SHARD = "model-00001-of-00001.safetensors"
-DARTS_SHARD = "darts.safetensors"
-DARTS_TENSOR_PREFIX = "darts."
 REPORT = "darts_report.json"
 PLOT = "darts_bias.png"
 CARD = "README.md"
@@ -43,11 +43,6 @@ SUPPORTED_ARCHITECTURES = (
     "GemmaForCausalLM",
     "Phi3ForCausalLM",
 )
-
-
-def read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -139,29 +134,6 @@ def darts_tensor_name(domain: str, param: str) -> str:
     return f"{DARTS_TENSOR_PREFIX}{domain}.{param}"
 
 
-def safetensors_header(path: str) -> Dict[str, dict]:
-    """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors header (no tensor data read)."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    header.pop("__metadata__", None)
-    return header
-
-
-def tensor_bytes(header: dict) -> int:
-    return sum(end - start for start, end in (info["data_offsets"] for info in header.values()))
-
-
-def numel(header: dict) -> int:
-    total = 0
-    for info in header.values():
-        count = 1
-        for dim in info["shape"]:
-            count *= dim
-        total += count
-    return total
-
-
 def plain_architecture(config: dict) -> str:
     """The merged model's own architecture name, also for a directory that was exported before."""
     architectures = config.get("architectures") or []
@@ -186,29 +158,6 @@ def plain_config(config: dict) -> dict:
     else:
         plain.pop("auto_map", None)
     return plain
-
-
-def merged_weight_map(out_dir: str) -> Dict[str, str]:
-    """Tensor name -> file of the merged weights only (darts entries of an earlier export dropped)."""
-    if os.path.exists(os.path.join(out_dir, SINGLE_WEIGHTS)):
-        return {name: SINGLE_SHARD for name in safetensors_header(os.path.join(out_dir, SINGLE_WEIGHTS))}
-    if os.path.exists(os.path.join(out_dir, INDEX)):
-        weight_map = read_json(os.path.join(out_dir, INDEX))["weight_map"]
-        return {name: f for name, f in weight_map.items()
-                if f != DARTS_SHARD and not name.startswith(DARTS_TENSOR_PREFIX)}
-    raise FormatError(
-        f"{out_dir}: no {SINGLE_WEIGHTS} or {INDEX}; mergekit-darts needs safetensors weights "
-        "(run mergekit with safe serialization)"
-    )
-
-
-def shard_path(model_dir: str, name: str) -> str:
-    """The file of ``merged_weight_map``'s entry ``name`` (its single-file name is ``model.safetensors``
-    until the export renames it)."""
-    path = os.path.join(model_dir, name)
-    if name == SINGLE_SHARD and not os.path.exists(path):
-        return os.path.join(model_dir, SINGLE_WEIGHTS)  # a merge that was never exported, or any plain model
-    return path
 
 
 def merged_parameter_count(out_dir: str) -> int:

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mergekit_darts.errors import FormatError
-from mergekit_darts.output import layout
+from mergekit_darts.weight_files import SafetensorsWeights
 
 # Up to this smaller side the SVD is exact (LAPACK / cuSOLVER), as mergekit-extract-lora computes it;
 # above it on a CPU, randomized (torch.svd_lowrank): an exact SVD of a 4096 x 11008 matrix takes tens
@@ -52,34 +52,6 @@ def low_rank_factors(delta: torch.Tensor, rank: int, device: torch.device = torc
     down[:kept] = (root[:, None] * vh[:kept]).cpu()
     up[:, :kept] = (u[:, :kept] * root[None]).cpu()
     return down, up
-
-
-class SafetensorsWeights:
-    """The weight tensors of a model directory by name, read one at a time (never the whole model)."""
-
-    def __init__(self, model_dir: str):
-        self.model_dir = model_dir
-        try:  # the export's own reader: single file or index, darts entries of an earlier export left out
-            weight_map = layout.merged_weight_map(model_dir)
-        except FormatError as error:
-            raise FormatError(f"{error} (adapter_init: delta and the report's baseline read the weights)") from None
-        self.files = {name: layout.shard_path(model_dir, file) for name, file in weight_map.items()}
-
-    def name_ending(self, suffix: str) -> str:
-        """The one tensor whose name is ``suffix`` or ends with ``.suffix``."""
-        found = [name for name in self.files if name == suffix or name.endswith("." + suffix)]
-        if len(found) != 1:
-            what = "no tensor" if not found else f"{len(found)} tensors ({', '.join(sorted(found)[:3])})"
-            raise FormatError(f"{self.model_dir}: {what} named like '*{suffix}'; adapter_init: delta needs the "
-                              "expert and the merge to have the same architecture and tensor names")
-        return found[0]
-
-    def read(self, suffix: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        name = self.name_ending(suffix)
-        with safe_open(self.files[name], framework="pt") as handle:
-            return handle.get_tensor(name)
 
 
 @dataclass
