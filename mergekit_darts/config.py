@@ -185,6 +185,9 @@ class SurgeryConfig(_Strict):
     # A domain whose held-out metric got worse than the plain merge (or is not finite) is never made
     # the default silently: the model then loads as "none". True keeps default_domain regardless.
     allow_worse_default: bool = Field(False, strict=True)
+    # each domain's trained correction against its untrained start (the extract / the identity) on the
+    # validation split, else the held-out records: the better one ships (train/selection.py, keep_better)
+    no_regret: bool = Field(True, strict=True)
     # scale (docs/scale.md): capture across devices (accelerate) and KL at the paper's scale.
     # The defaults keep the single-device capture and the exact float32 full-batch KL.
     device_map: Optional[Union[DeviceMapStrategy, Dict[str, Union[int, str]]]] = None
@@ -270,6 +273,16 @@ class SurgeryConfig(_Strict):
         for key, ignored, other, why in rules:
             if key in given and ignored:
                 raise ValueError(f"{key} together with {other}: {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _nothing_to_choose_without_steps(self):
+        """At ``steps: 0`` every lr candidate and early-stopping point is the untrained start: a "choice"."""
+        keys = " and ".join(k for k, on in (("early_stopping", self.early_stopping),
+                                              ("lr_candidates", self.lr_candidates is not None)) if on)
+        if self.steps == 0 and keys:
+            raise ValueError(f"{keys} together with steps: 0: nothing is trained, so every candidate is the same "
+                             f"untrained start and there is nothing to choose; remove {keys} or set steps > 0")
         return self
 
     @model_validator(mode="after")

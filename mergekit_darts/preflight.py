@@ -15,7 +15,8 @@ from mergekit_darts.errors import DeviceError, FormatError, MergeConfigError, fi
 from mergekit_darts.model_paths import check_local_model, check_merge_model_paths
 from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
                                                surgery_inputs)
-from mergekit_darts.preflight_counts import check_selection_prompts, check_synthesis_cost
+from mergekit_darts.preflight_counts import (check_continuation_room, check_selection_prompts, check_synthesis_cost,
+                                             resolved_max_positions)
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
         raise SurgeryConfigError(
             f"surgery.depth: {surgery.depth} exceeds the merged model's {layers} decoder layers ({reference_name}); "
             f"use at most depth: {layers}")
+    check_continuation_room(surgery, *resolved_max_positions(surgery, reference))
     # only a written value: the default is the model's context when that is shorter (pipeline.resolve_from_model)
     if "max_positions" in surgery.model_fields_set and \
             surgery.max_positions > getattr(reference, "max_position_embeddings", surgery.max_positions):

@@ -1,7 +1,8 @@
-"""Pre-merge checks on how many calibration prompts each domain has (run by ``preflight``): enough
-validation prompts for lr choice and early stopping, and ``synthesize`` bounded by what it would cost."""
+"""Pre-merge checks on how many calibration prompts and positions each domain has (run by ``preflight``):
+enough validation prompts for lr choice and early stopping, ``synthesize`` bounded by what it would cost,
+and room for a prompt beside ``continue_tokens`` under max_positions."""
 
-from typing import Dict
+from typing import Dict, Tuple
 
 from mergekit_darts.config import SurgeryConfig, SurgeryConfigError
 
@@ -51,3 +52,27 @@ def check_synthesis_cost(surgery: SurgeryConfig, prompts: Dict[str, int]) -> Non
                 f"surgery.domains.{name}.calibration.synthesize: {requested} prompts from {train} training prompt(s) "
                 f"would take up to {MAX_SAMPLES * requested} expert samples; at most {SYNTHESIZE_PER_PROMPT} per "
                 f"training prompt and {MAX_SYNTHESIZE} in all ({limit} here): lower it or give more calibration prompts")
+
+
+def resolved_max_positions(surgery: SurgeryConfig, reference) -> Tuple[int, str]:
+    """The max_positions the run will use (``pipeline.resolve_from_model``: an unwritten one becomes the
+    merged model's context when that is shorter) and where it comes from, in words."""
+    config = reference.get_text_config() if hasattr(reference, "get_text_config") else reference
+    context = getattr(config, "max_position_embeddings", None)
+    if "max_positions" not in surgery.model_fields_set and isinstance(context, int) and \
+            0 < context < surgery.max_positions:
+        return context, " (not written: the merged model's max_position_embeddings)"
+    return surgery.max_positions, ""
+
+
+def check_continuation_room(surgery: SurgeryConfig, max_positions: int, source: str = "") -> None:
+    """A prompt keeps at least one token, so at most ``max_positions - 1`` tokens continue it: a larger
+    ``continue_tokens`` was cut to the room each record left without a word, and the report's budget
+    still showed the written value."""
+    for name, domain in surgery.domains.items():
+        tokens = domain.calibration.continue_tokens
+        if tokens >= max_positions:
+            raise SurgeryConfigError(
+                f"surgery.domains.{name}.calibration.continue_tokens: {tokens} leaves no room for a prompt under "
+                f"max_positions {max_positions}{source} (prompt and continuation share those positions: at most "
+                f"{max_positions - 1} continue a one-token prompt); lower continue_tokens or raise max_positions")

@@ -84,6 +84,43 @@ def test_bad_numbers_are_errors(tiny_family, tmp_path, settings, field):
     assert message.startswith(field), message
 
 
+def _with_continuations(tokens, max_positions=None):
+    def edit(source):
+        source = source.replace("'how many apples are left ?']}", f"'how many apples are left ?'], continue_tokens: {tokens}}}")
+        return source if max_positions is None else source.replace("  max_positions: 32\n", max_positions)
+    return edit
+
+
+@pytest.mark.parametrize("settings, edit, expected", [
+    (dict(steps=0, early_stopping="true"), None, "surgery: early_stopping together with steps: 0: nothing is trained"),
+    (dict(steps=0, lr_candidates="[0.01, 0.1]"), lambda source: source.replace("  lr: 0.01\n", ""),
+     "surgery: lr_candidates together with steps: 0"),
+    (dict(steps=0), _with_continuations(32), "surgery.domains.math.calibration.continue_tokens: 32 leaves no room "
+     "for a prompt under max_positions 32 (prompt and continuation share those positions: at most 31"),
+    # not written: the tiny models' context (256), not the default 512, is what the run would use
+    (dict(), _with_continuations(300, ""), "surgery.domains.math.calibration.continue_tokens: 300 leaves no room for a prompt under max_positions 256 "
+     "(not written: the merged model's max_position_embeddings)"),
+], ids=["steps-0-early-stopping", "steps-0-lr-candidates", "continue-tokens-written-max", "continue-tokens-model-max"])
+def test_settings_that_would_be_ignored_or_capped_are_errors(tiny_family, tmp_path, settings, edit, expected):
+    """Issue 46 item 8: accepted before, they "chose" between identical runs or were cut without a word."""
+    source = _block(tiny_family, tmp_path, **settings)
+    message = _fails_before_merge(edit(source) if edit else source, tmp_path / "out")
+    assert message.startswith(expected), message
+
+
+def test_the_longest_continuation_that_fits_is_accepted(tiny_family, tmp_path):
+    from mergekit.config import MergeConfiguration
+
+    from mergekit_darts.config import parse_surgery_block, split_yaml
+    from mergekit_darts.preflight import check_before_merge
+    from mergekit_darts.settings import RunSettings
+
+    source = _with_continuations(31)(_block(tiny_family, tmp_path))
+    merge_part, raw = split_yaml(source)
+    surgery = parse_surgery_block(raw)
+    check_before_merge(surgery, MergeConfiguration.model_validate(merge_part), RunSettings.resolve(surgery))
+
+
 def test_device_that_is_not_there(tiny_family, tmp_path):
     device = "cuda:99" if torch.cuda.is_available() else "cuda"
     message = _fails_before_merge(_block(tiny_family, tmp_path, device=device), tmp_path / "out")
