@@ -26,7 +26,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -41,7 +41,7 @@ CHECKPOINT_EVERY = 25
 TEST, CALIB, TRAIN_POOL = 100, 50, 2000
 # generation lengths in SmolLM2 tokens (the demo's are in words): the longest answer of each
 # domain's splits plus the end-of-turn token, rounded up
-MAX_NEW_TOKENS = {"math": 64, "code": 16, "instruct": 16}
+MAX_NEW_TOKENS = {"math": 64, "code": 16, "instruct": 16, "units": 24, "dates": 24}  # the last two: family v2
 
 
 def chat_prompt(tokenizer, prompt: str) -> str:
@@ -51,14 +51,15 @@ def chat_prompt(tokenizer, prompt: str) -> str:
 
 
 def chat_splits(tokenizer, seed: int = 0, train: int = TRAIN_POOL, calib: int = CALIB,
-                test: int = TEST) -> Dict[str, Dict[str, List[dict]]]:
-    """The demo's splits with ``chat`` (templated prompt) on every example. Test and calibration
-    prompts do not depend on ``train`` (the generator fills test, then calib, then train)."""
+                test: int = TEST, domains=None, make_splits=None) -> Dict[str, Dict[str, List[dict]]]:
+    """The demo's splits (or ``make_splits``'s for ``domains``) with ``chat`` (templated prompt) on every
+    example. Test and calibration prompts do not depend on ``train`` (the generator fills test, then
+    calib, then train)."""
     from mergekit_darts.demo import tasks
 
     splits = {}
-    for domain in tasks.DOMAINS:
-        parts = tasks.make_splits(domain, seed, train=train, calib=calib, test=test)
+    for domain in domains or tasks.DOMAINS:
+        parts = (make_splits or tasks.make_splits)(domain, seed, train=train, calib=calib, test=test)
         for examples in parts.values():
             for example in examples:
                 example["chat"] = chat_prompt(tokenizer, example["prompt"])
@@ -81,23 +82,31 @@ def encode_answers(tokenizer, examples: List[dict]):
     return input_ids, mask, labels
 
 
-def _lr_at(step: int, steps: int) -> float:
+def _lr_at(step: int, steps: int, lr: float = LR) -> float:
     if step < WARMUP:
-        return LR * (step + 1) / WARMUP
+        return lr * (step + 1) / WARMUP
     progress = (step - WARMUP) / max(1, steps - WARMUP)
-    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def finetune_expert(base: str, tokenizer, examples: List[dict], out: str, steps: int, seed: int,
-                    batch_size: int = BATCH_SIZE, checkpoint_every: int = CHECKPOINT_EVERY) -> dict:
+                    batch_size: int = BATCH_SIZE, checkpoint_every: int = CHECKPOINT_EVERY, lr: float = LR,
+                    lora: Optional[dict] = None) -> dict:
     """Whole-model AdamW on the answers; checkpoints to ``out + '.partial'`` and resumes from there.
-    The finished expert is moved into ``out`` in one rename."""
+    The finished expert is moved into ``out`` in one rename. ``lora`` (a ``peft.LoraConfig``'s keyword
+    arguments): only those adapters train, checkpoints hold only them, and the expert is written as a
+    plain model after ``merge_and_unload`` (as LoRA fine-tunes reach the Hub)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     partial = out + ".partial"
     state_path = os.path.join(partial, "progress.json")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**lora))
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     progress = {"step": 0, "losses": [], "seconds": 0.0, "resumed_at": []}
     if os.path.exists(state_path):
         with open(state_path) as handle:
@@ -106,27 +115,29 @@ def finetune_expert(base: str, tokenizer, examples: List[dict], out: str, steps:
         progress["resumed_at"].append(progress["step"])
         log(f"resuming {os.path.basename(out)} at step {progress['step']} (fresh optimizer moments)")
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
     clock = time.perf_counter()
     for step in range(progress["step"], steps):
+        step_started = time.perf_counter()
         batch = [examples[order[(step * batch_size + i) % len(order)]] for i in range(batch_size)]
         input_ids, mask, labels = encode_answers(tokenizer, batch)
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, steps)
+            group["lr"] = _lr_at(step, steps, lr)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         progress["losses"].append(round(loss.item(), 4))
+        progress.setdefault("step_seconds", []).append(round(time.perf_counter() - step_started, 2))
         progress["step"] = step + 1
         if progress["step"] % checkpoint_every == 0 or progress["step"] == steps:
             progress["seconds"] += time.perf_counter() - clock
             clock = time.perf_counter()
             os.makedirs(partial, exist_ok=True)
-            # tied embeddings: one copy of the shared tensor is enough to restore the model
-            weights = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+            # what trains (named_parameters lists a tied embedding once): enough to restore the model
+            weights = {k: v.detach().contiguous() for k, v in model.named_parameters() if v.requires_grad}
             save_file(weights, os.path.join(partial, "weights.safetensors"))
             with open(state_path, "w") as handle:
                 json.dump(progress, handle)
@@ -134,6 +145,8 @@ def finetune_expert(base: str, tokenizer, examples: List[dict], out: str, steps:
                 f"({progress['seconds']:.0f} s)")
     staging = out + ".staging"
     shutil.rmtree(staging, ignore_errors=True)
+    if lora is not None:
+        model = model.merge_and_unload()
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     os.replace(staging, out)
@@ -142,11 +155,15 @@ def finetune_expert(base: str, tokenizer, examples: List[dict], out: str, steps:
 
 
 def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: int = 0, test: int = TEST,
-          calib: int = CALIB) -> dict:
+          calib: int = CALIB, experts: Optional[Dict[str, dict]] = None, make_splits=None) -> dict:
+    """The base, the data and one expert per domain of ``experts`` (domain -> optional ``lr`` and ``lora``
+    of ``finetune_expert``; default: the demo's three, whole-model at ``LR``), each skipped when it exists;
+    ``make_splits`` makes their data (default: the demo's generators)."""
     from transformers import AutoTokenizer
 
     from real_model_check import find_gguf, save_base
 
+    experts = experts or {domain: {} for domain in DEFAULT_STEPS}
     steps = {**DEFAULT_STEPS, **(steps or {})}
     os.makedirs(workdir, exist_ok=True)
     record_path = os.path.join(workdir, "family.json")
@@ -160,7 +177,7 @@ def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: in
         save_base(find_gguf(gguf, workdir), base)
         record["base_seconds"] = round(time.perf_counter() - clock, 1)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    splits = chat_splits(tokenizer, seed, calib=calib, test=test)
+    splits = chat_splits(tokenizer, seed, calib=calib, test=test, domains=list(experts), make_splits=make_splits)
     os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
     for domain, parts in splits.items():
         with open(os.path.join(workdir, "data", f"{domain}.json"), "w") as handle:
@@ -169,9 +186,11 @@ def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: in
         out = os.path.join(workdir, f"expert_{domain}")
         if os.path.exists(os.path.join(out, "config.json")):
             continue
-        log(f"fine-tuning the {domain} expert: {steps[domain]} steps of {BATCH_SIZE} chats")
-        progress = finetune_expert(base, tokenizer, parts["train"], out, steps[domain], seed + index)
-        record["experts"][domain] = {"steps": steps[domain], "batch_size": BATCH_SIZE, "lr": LR,
+        lr, lora = experts[domain].get("lr", LR), experts[domain].get("lora")
+        log(f"fine-tuning the {domain} expert: {steps[domain]} steps of {BATCH_SIZE} chats"
+            + (f", LoRA rank {lora['r']}" if lora else ""))
+        progress = finetune_expert(base, tokenizer, parts["train"], out, steps[domain], seed + index, lr=lr, lora=lora)
+        record["experts"][domain] = {"steps": steps[domain], "batch_size": BATCH_SIZE, "lr": lr, "lora": lora,
                                      "seconds": round(progress["seconds"], 1), "resumed_at": progress["resumed_at"],
                                      "first_loss": progress["losses"][0], "last_losses": progress["losses"][-10:]}
         with open(record_path, "w") as handle:

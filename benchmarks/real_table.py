@@ -67,8 +67,11 @@ def load_splits(workdir: str) -> Dict[str, Dict[str, List[dict]]]:
 
 
 def score(model, tokenizer, test: Dict[str, List[dict]], domains) -> Dict[str, float]:
-    """Accuracy (%) per domain: greedy completions of the chat prompts, the demo's scorers."""
-    from mergekit_darts.demo.evaluate import generate, score_completions
+    """Accuracy (%) per domain: greedy completions of the chat prompts, the demo's scorers (and family
+    v2's for its new domains)."""
+    from family_v2_tasks import score_completions
+
+    from mergekit_darts.demo.evaluate import generate
 
     scores = {}
     for domain in domains:
@@ -80,11 +83,16 @@ def score(model, tokenizer, test: Dict[str, List[dict]], domains) -> Dict[str, f
 
 
 def merge_yaml(workdir: str, method: str, surgery: bool, seed: int = 0, samples: int = 50,
-               settings: Optional[dict] = None) -> str:
-    lines = [f"merge_method: {method}", f"base_model: {os.path.join(workdir, 'base')}", "models:"]
-    density = ", density: 0.5" if method == "ties" else ""
-    for domain in DOMAINS:
-        lines += [f"  - model: {os.path.join(workdir, f'expert_{domain}')}", f"    parameters: {{weight: 0.5{density}}}"]
+               settings: Optional[dict] = None, domains=DOMAINS, parameters: Optional[dict] = None,
+               calibration: Optional[dict] = None) -> str:
+    """The merge of ``domains``' experts in WORK (``parameters`` for each; linear has no base model) and,
+    with ``surgery``, the repair towards each (``calibration``: more keys of every domain's source)."""
+    lines = [f"merge_method: {method}"] + ([] if method == "linear" else [f"base_model: {os.path.join(workdir, 'base')}"])
+    parameters = parameters or {"weight": 0.5, **({"density": 0.5} if method == "ties" else {})}
+    lines.append("models:")
+    for domain in domains:
+        lines += [f"  - model: {os.path.join(workdir, f'expert_{domain}')}",
+                  f"    parameters: {{{', '.join(f'{key}: {value}' for key, value in parameters.items())}}}"]
     lines.append("dtype: float32")
     if surgery:
         lines += ["surgery:", "  rank: 16", "  max_positions: 256", "  steps: 500", "  lr: 1.0e-3", f"  seed: {seed}",
@@ -92,16 +100,17 @@ def merge_yaml(workdir: str, method: str, surgery: bool, seed: int = 0, samples:
                   "  default_domain: auto"]
         settings = {"cache_dir": os.path.join(workdir, "capture_cache"), **(settings or {})}
         lines += [f"  {key}: {value}" for key, value in settings.items()] + ["  domains:"]
-        for domain in DOMAINS:
+        extra = "".join(f", {key}: {value}" for key, value in (calibration or {}).items())
+        for domain in domains:
             lines += [f"    {domain}:", f"      model: {os.path.join(workdir, f'expert_{domain}')}",
                       f"      calibration: {{path: {os.path.join(workdir, f'calib_{domain}.jsonl')}, field: chat, "
-                      f"samples: {samples}, continue_tokens: {MAX_NEW_TOKENS[domain]}}}"]
+                      f"samples: {samples}, continue_tokens: {MAX_NEW_TOKENS[domain]}{extra}}}"]
     return "\n".join(lines) + "\n"
 
 
 def routing_shares(model, tokenizer, test: Dict[str, List[dict]], everyday: List[str]) -> dict:
-    """Share of unseen prompts routed to their own domain, the user turn cut to N tokens (and whole),
-    and the share of everyday requests routed to "none" (the plain merge)."""
+    """Share of unseen prompts of each domain of ``test`` routed to their own domain, the user turn cut
+    to N tokens (and whole), and the share of everyday requests routed to "none" (the plain merge)."""
     tokenizer.padding_side = "left"
 
     def picks(chats):
@@ -118,7 +127,7 @@ def routing_shares(model, tokenizer, test: Dict[str, List[dict]], everyday: List
     result = {}
     for tokens in (*ROUTE_TOKENS, None):
         own, fallback = {}, {}
-        for domain in DOMAINS:
+        for domain in test:
             chosen = picks([chat_prompt(tokenizer, cut(ex["prompt"], tokens)) for ex in test[domain]])
             own[domain] = round(chosen.count(domain) / len(chosen), 3)
             fallback[domain] = round(chosen.count("none") / len(chosen), 3)
@@ -233,14 +242,14 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
 
 
 def repaired_row(out: str, report: dict, settings: dict, started: float, tokenizer, test):
-    """(scores, extra columns) of a repaired directory: each domain's scores with that domain active,
+    """(scores, extra columns) of a repaired directory: each domain's (of ``test``) with that domain active,
     the router's shares, and the report's figures (held-out KL, baseline, seconds of each stage)."""
     from transformers import AutoModelForCausalLM
 
     surgery_seconds = time.perf_counter() - started
-    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain=DOMAINS[0]).eval()
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain=next(iter(test))).eval()
     scores = {}
-    for domain in DOMAINS:
+    for domain in test:
         model.set_darts_domain(domain)
         scores.update(score(model, tokenizer, test, [domain]))
     routing = routing_shares(model, tokenizer, test, everyday_requests()) if model.darts.router is not None else None
@@ -251,10 +260,10 @@ def repaired_row(out: str, report: dict, settings: dict, started: float, tokeniz
     return scores, {"routing": routing, "reports": summary}
 
 
-def markdown(table: dict) -> str:
-    lines = ["| Model | " + " | ".join(DOMAINS) + " | seconds |", "|---|" + "---|" * (len(DOMAINS) + 1)]
+def markdown(table: dict, domains=DOMAINS) -> str:
+    lines = ["| Model | " + " | ".join(domains) + " | seconds |", "|---|" + "---|" * (len(domains) + 1)]
     for key, scores in table["rows"].items():
-        cells = " | ".join(f"{scores[d]:.0f}" if d in scores else "–" for d in DOMAINS)
+        cells = " | ".join(f"{scores[d]:.0f}" if d in scores else "–" for d in domains)
         lines.append(f"| {table['labels'][key]} | {cells} | {table['seconds'][key]:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,198 @@
+"""Family v2's pieces (benchmarks/family_v2_tasks.py, real_family_v2.py, real_table_v2.py) on a tiny random
+Llama: the new domains' generators and exact scorers, the LoRA expert merged into its weights, the
+paper's merges through mergekit, the extract's share of the gap, and the resume of every stage. The
+SmolLM2 build itself takes CPU-hours (benchmarks/README.md, "Family v2")."""
+
+import datetime
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import family_v2_tasks  # noqa: E402
+import real_family  # noqa: E402
+import real_family_v2  # noqa: E402
+import real_table_v2  # noqa: E402
+from mergekit_darts.demo import tasks  # noqa: E402
+from mergekit_darts.tiny import DEFAULT_WORDS, build_tokenizer, make_random_model  # noqa: E402
+
+DOMAINS = family_v2_tasks.DOMAINS
+ATTENTION = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+
+
+def weights(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    splits = [family_v2_tasks.make_splits(d, 0, train=real_family.TRAIN_POOL, calib=10, test=3) for d in DOMAINS]
+    return build_tokenizer([*DEFAULT_WORDS, *tasks.vocabulary(splits)])
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, tokenizer):
+    """A tiny family v2: a random base and its five experts (two steps each), three of the merges."""
+    work = str(tmp_path_factory.mktemp("family_v2"))
+    make_random_model(os.path.join(work, "base"), tokenizer=tokenizer, vocab_size=len(tokenizer), hidden_size=32)
+    record = real_family_v2.build_experts(work, steps={d: 2 for d in DOMAINS}, test=3, calib=10)
+    assert set(record["experts"]) == set(DOMAINS)
+    real_family_v2.build_merges(work, ["all5_linear", "three_ta_1.0", "all5_dare_ties_0.3"])
+    return work
+
+
+def test_new_domains_score_their_reference_and_nothing_else():
+    for domain in family_v2_tasks.NEW_DOMAINS:
+        examples = family_v2_tasks.make_splits(domain, 0, train=50, calib=10, test=40)["test"]
+        right = [example["completion"] for example in examples]
+        wrong = [text.rsplit(" ", 1)[0] + " 0" for text in right]  # the result replaced
+        assert all(family_v2_tasks.score_completions(domain, examples, [f"  {t} " for t in right]))
+        assert not any(family_v2_tasks.score_completions(domain, examples, wrong))
+    instruct = tasks.make_splits("instruct", 0, train=5, calib=5, test=5)["test"]
+    assert family_v2_tasks.score_completions("instruct", instruct, [e["completion"] for e in instruct]) == [True] * 5
+    with pytest.raises(ValueError, match="unknown family v2 domain 'poems'"):
+        family_v2_tasks.make_splits("poems")
+
+
+def test_units_and_dates_references_are_right():
+    """Each reference recomputed another way: python arithmetic, and datetime in a year without 29 February."""
+    for example in family_v2_tasks.make_splits("units", 1, train=10, calib=10, test=200)["test"]:
+        left, result = example["completion"].split(" = ")
+        count, unit = result.split()
+        assert eval(left) == int(count) and unit in example["prompt"].split(" to ")[1]
+    months = [name for name, _ in family_v2_tasks.MONTHS]
+    for example in family_v2_tasks.make_splits("dates", 1, train=10, calib=10, test=200)["test"]:
+        words = example["prompt"].split()  # what date|day is N days after|before START ? answer :
+        offset, sign = int(words[3]), 1 if words[5] == "after" else -1
+        result = example["completion"].split(" = ")[1]
+        if words[1] == "day":
+            start = family_v2_tasks.WEEKDAYS.index(words[6])
+            assert result == family_v2_tasks.WEEKDAYS[(start + sign * offset) % 7]
+            continue
+        start = datetime.date(2023, months.index(words[6]) + 1, int(words[7]))
+        end = start + datetime.timedelta(days=sign * offset)
+        assert result == f"{months[end.month - 1]} {end.day}"
+
+
+def test_splits_keep_test_and_calibration_fixed():
+    for domain in family_v2_tasks.NEW_DOMAINS:
+        small = family_v2_tasks.make_splits(domain, 0, train=20, calib=10, test=10)
+        large = family_v2_tasks.make_splits(domain, 0, train=3000, calib=10, test=10)
+        assert small["test"] == large["test"] and small["calib"] == large["calib"]
+        held = {e["prompt"] for e in large["test"] + large["calib"]}
+        assert len(held) == 20 and not held & {e["prompt"] for e in large["train"]}
+        assert len(large["train"]) == 3000  # units has fewer distinct prompts: its train set repeats
+
+
+def test_lora_expert_is_a_plain_model_that_moves_only_attention(work):
+    files = os.listdir(os.path.join(work, "expert_dates"))
+    assert "config.json" in files and "adapter_config.json" not in files  # merge_and_unload: no PEFT left
+    with open(os.path.join(work, "family.json")) as handle:
+        record = json.load(handle)["experts"]
+    assert record["dates"]["lora"]["r"] == 16 and record["math"]["lora"] is None
+    base, lora, full = weights(os.path.join(work, "base")), weights(os.path.join(work, "expert_dates")), \
+        weights(os.path.join(work, "expert_units"))
+    moved = {name for name in base if not torch.equal(base[name], lora[name])}
+    targets = {name for name in base if name.endswith(ATTENTION)}
+    assert moved == targets  # every q/k/v/o of every layer, nothing else
+    assert {name for name in base if not torch.equal(base[name], full[name])} > targets  # whole-model experts
+
+
+def test_lora_finetune_resumes_from_adapter_checkpoints(work, tokenizer, tmp_path, monkeypatch):
+    examples = real_family.chat_splits(tokenizer, train=8, test=2, calib=2, domains=["dates"],
+                                       make_splits=family_v2_tasks.make_splits)["dates"]["train"]
+    out, encode, calls = str(tmp_path / "expert"), real_family.encode_answers, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return encode(*args)
+
+    monkeypatch.setattr(real_family, "encode_answers", interrupted)
+    settings = dict(steps=3, seed=0, batch_size=2, checkpoint_every=2, lr=1e-3, lora=real_family_v2.LORA)
+    with pytest.raises(KeyboardInterrupt):
+        real_family.finetune_expert(os.path.join(work, "base"), tokenizer, examples, out, **settings)
+    from safetensors.torch import load_file
+
+    saved = load_file(out + ".partial/weights.safetensors")
+    assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved)  # the adapters only
+    monkeypatch.setattr(real_family, "encode_answers", encode)
+    progress = real_family.finetune_expert(os.path.join(work, "base"), tokenizer, examples, out, **settings)
+    assert progress["resumed_at"] == [2] and len(progress["step_seconds"]) == 3
+    assert not os.path.exists(out + ".partial") and "adapter_config.json" not in os.listdir(out)
+
+
+def test_merges_are_mergekits_and_are_not_redone(work):
+    import yaml
+
+    folder = os.path.join(work, "merges")
+    with open(os.path.join(folder, "all5_dare_ties_0.3.yml")) as handle:
+        config = yaml.safe_load(handle)
+    assert config["merge_method"] == "dare_ties" and len(config["models"]) == 5
+    assert all(m["parameters"] == {"weight": 1.0, "density": 0.3} for m in config["models"])
+    base = weights(os.path.join(work, "base"))
+    experts = {d: weights(os.path.join(work, f"expert_{d}")) for d in DOMAINS}
+    linear, arithmetic = weights(os.path.join(folder, "all5_linear")), weights(os.path.join(folder, "three_ta_1.0"))
+    for name in base:
+        assert torch.allclose(linear[name], sum(experts[d][name] for d in DOMAINS) / 5, atol=1e-6)
+        summed = base[name] + sum(experts[d][name] - base[name] for d in real_family_v2.THREE)
+        assert torch.allclose(arithmetic[name], summed, atol=1e-5)
+    stamp = os.path.getmtime(os.path.join(folder, "all5_linear", "config.json"))
+    real_family_v2.build_merges(work, ["all5_linear"])
+    assert os.path.getmtime(os.path.join(folder, "all5_linear", "config.json")) == stamp
+
+
+def test_extract_at_full_rank_gives_the_experts_block_linears(work):
+    merge = os.path.join(work, "merges", "all5_linear")
+    extracted = real_family_v2.extracted_model(merge, os.path.join(work, "expert_units"), rank=32).state_dict()
+    expert, merged = weights(os.path.join(work, "expert_units")), weights(merge)
+    for name, tensor in extracted.items():
+        target = expert[name] if ".layers." in name and name.endswith("proj.weight") else merged[name]
+        assert torch.allclose(tensor, target, atol=1e-5), name
+
+
+def test_gap_shares():
+    shares = real_family_v2.gap_shares({"a": 20, "b": 50, "c": 10}, {"a": 60, "b": 50, "c": 30}, {"a": 40, "b": 50, "c": 34})
+    assert shares == {"a": 0.5, "b": None, "c": 1.2}
+
+
+def test_scores_best_merges_and_the_extract_share_resume(work):
+    names = ["all5_linear", "three_ta_1.0", "all5_dare_ties_0.3"]
+    scores = real_family_v2.Scores(work)
+    real_family_v2.score_references(work, names, scores)
+    assert set(scores.data["rows"]["base"]) == set(DOMAINS) and set(scores.data["rows"]["experts"]) == set(DOMAINS)
+    assert set(scores.data["rows"]["merge:three_ta_1.0"]) == set(real_family_v2.THREE)
+    summary = real_family_v2.measure_extract(work, names, scores)
+    assert set(summary) == {"all5", "three"} and summary["three"]["merge"] == "three_ta_1.0"
+    assert set(summary["all5"]["per_method"]) == {"linear", "dare_ties"}
+    assert set(summary["all5"]["extract8_share"]) == set(DOMAINS)
+    reread = real_family_v2.Scores(work)  # read back from the file: nothing is scored again
+    assert reread.data["best"] == json.loads(json.dumps(summary))
+    assert reread.row("base", lambda: pytest.fail("a stored row was scored again")) == scores.data["rows"]["base"]
+
+
+def test_table_declares_the_issues_rows_and_resumes(work, monkeypatch):
+    rows = real_table_v2.declared_rows("all5_ta_0.5")
+    assert {f"all5_ta_0.5/{key}" for key in ("standard_l1", "standard_ewl1", "darts_l1", "darts_ewl1", "darts_kl",
+                                              "extract_r1", "extract_r4", "extract_r8", "extract_r16", "extract_r64",
+                                              "preset", "preset_synth")} <= set(rows)
+    assert {"three_linear/darts_ewl1", "three_linear/extract_r8", "three_linear/preset"} <= set(rows)
+    assert len(rows) == len(real_table_v2.REPAIRS) + 3 * (len(real_family_v2.MERGES) - 1)
+    assert {row.split("/")[1] for row in real_table_v2.declared_rows("all5_ta_0.5", seed=3)} == set(
+        real_table_v2.SEEDED_ROWS)
+    table = real_table_v2.run(work, ["three_ta_1.0/extract_r8"])
+    assert set(table["rows"]["three_ta_1.0/extract_r8"]) == set(real_family_v2.THREE)
+    assert table["reports"]["three_ta_1.0/extract_r8"]["math"]["baseline"]["rank"] == 8
+    import mergekit_darts.pipeline
+
+    monkeypatch.setattr(mergekit_darts.pipeline, "run_surgery", lambda *a, **k: pytest.fail("a row ran again"))
+    assert real_table_v2.run(work, ["three_ta_1.0/extract_r8"])["rows"] == table["rows"]
+    text = real_table_v2.markdown(work, table)
+    assert "three_ta_1.0: Data-free extract, rank 8 in every block" in text and "| base |" in text
