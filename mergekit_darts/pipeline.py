@@ -150,8 +150,8 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
 
 def summary_lines(report: dict) -> List[str]:
     """Per domain: held-out bias and KL to the expert, before -> after, and what decided the verdict."""
-    from mergekit_darts.repair.report.table import baseline_line
-    from mergekit_darts.repair.report.verdict import verdict_note
+    from mergekit_darts.repair.report.table import baseline_line, no_regret_line
+    from mergekit_darts.repair.report.verdict import STATUS_WORDS, verdict_note
 
     lines = []
     for name, entry in report["domains"].items():
@@ -160,11 +160,11 @@ def summary_lines(report: dict) -> List[str]:
                  before_after(entry.get("held_out_kl"), f"{split} KL to expert")]
         verdict = entry.get("verdict") or {}
         status = verdict.get("status", "improved")
-        warning = "" if status == "improved" else f"  WARNING: {status.replace('_', '-')} vs the plain merge"
+        warning = "" if status == "improved" else f"  WARNING: {STATUS_WORDS.get(status, status)}"
         lines.append(f"{name}: " + ", ".join(part for part in parts if part) + warning)
         if verdict:
             lines.append(f"  verdict {status.replace('_', '-')}: {verdict_note(verdict)}")
-        lines += baseline_line(entry)
+        lines += no_regret_line(entry) + baseline_line(entry)
     default = report.get("default_domain")
     if isinstance(default, dict) and default.get("used") != default.get("requested"):
         lines.append(f"default domain: {default['used']} (requested {default['requested']}: {default.get('reason')})")
@@ -273,14 +273,15 @@ def _rounded(value) -> str:
 
 def _checked_default(report: dict, surgery: SurgeryConfig) -> str:
     """The default domain, never silently one that made things worse (docs/reliability.md)."""
-    from mergekit_darts.repair.report.verdict import choose_default
+    from mergekit_darts.repair.report.verdict import STATUS_WORDS, choose_default
 
     for name, entry in report["domains"].items():
         verdict = entry["verdict"]
         if verdict["status"] != "improved":
-            LOG.warning("domain %s: the correction is %s than the plain merge on %s (%s %s -> %s)", name,
-                        "WORSE" if verdict["status"] == "worse" else "NOT FINITE (no better)",
-                        verdict["measured_on"], verdict["metric"], _rounded(verdict["before"]), _rounded(verdict["after"]))
+            why = f"; {verdict['why']}" if verdict.get("why") else ""
+            LOG.warning("domain %s: the correction is %s on %s (%s %s -> %s%s)", name,
+                        STATUS_WORDS.get(verdict["status"], verdict["status"]).upper(), verdict["measured_on"],
+                        verdict["metric"], _rounded(verdict["before"]), _rounded(verdict["after"]), why)
     default = choose_default(report, surgery.active_domain, surgery.allow_worse_default)
     if default != surgery.active_domain:
         LOG.warning("default domain %r is %s; the output loads as the plain merge ('none'). Set "

@@ -7,11 +7,17 @@ blocks, the final norm and the rotary embedding (``FrozenTail``). The tail is bu
 on an empty (meta) skeleton of the model, so a cached tail needs no model load, and tensors that
 accelerate offloaded to cpu or disk are read like any other. Training (``train/tail.py``) runs only
 those k blocks with a domain's adapters, never the whole model.
+
+On a GPU the blocks run under bfloat16 autocast (``tail_compute_dtype``): their matmuls are the bulk of
+a ``depth: all`` step (docs/scale.md), and bfloat16 is what the capture's own forward used there. The
+weights stay float32, the adapters add their float32 output (``train/tail.py``), and the residual
+stream, the norms, the loss and the optimizer stay float32. On a CPU nothing changes: float32 throughout.
 """
 
+import contextlib
 import copy
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -27,6 +33,18 @@ LOG = logging.getLogger(__name__)
 # tail runs in float32; a model captured in bfloat16/float16 differs from it by its own rounding.
 REPLAY_TOLERANCE = {torch.float32: 1e-2}
 REPLAY_TOLERANCE_LOW_PRECISION = 5e-2
+
+
+def _cuda_bf16_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def tail_compute_dtype(device, bf16_supported: Callable[[], bool] = _cuda_bf16_supported) -> Optional[torch.dtype]:
+    """The autocast dtype of the frozen blocks on ``device``: bfloat16 on a CUDA device that has it,
+    None (plain float32, no autocast) anywhere else — so a CPU run computes what it always did."""
+    if torch.device(device).type == "cuda" and bf16_supported():
+        return torch.bfloat16
+    return None
 
 
 def _tail_parts(model, depth: int) -> List[Tuple[str, nn.Module]]:
@@ -75,6 +93,8 @@ class FrozenTail(nn.Module):
         config = skeleton.config
         uses_window = getattr(config, "use_sliding_window", True) is not False
         self.sliding_window = getattr(config, "sliding_window", None) if uses_window else None
+        # None: float32; bfloat16: the blocks' matmuls under autocast (set by cached_tail on a GPU)
+        self.compute_dtype: Optional[torch.dtype] = None
 
     @classmethod
     def from_tensors(cls, skeleton, depth: int, tensors: Dict[str, torch.Tensor]) -> "FrozenTail":
@@ -129,16 +149,23 @@ class FrozenTail(nn.Module):
         mask = torch.zeros(length, length, device=device)
         return mask.masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
 
+    def autocast(self, device) -> contextlib.AbstractContextManager:
+        """The blocks' autocast region: ``compute_dtype`` on ``device``'s type, or nothing (float32)."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(device).type, dtype=self.compute_dtype)
+
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         hidden = hidden.float()
         mask = self.attention_mask(hidden.shape[1], hidden.device)
         position_ids = position_ids.to(hidden.device)
         embeddings = self.rotary(hidden, position_ids)
-        for layer in self.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=embeddings,
-                        use_cache=False)
-            hidden = out[0] if isinstance(out, tuple) else out
-        return self.norm(hidden)
+        with self.autocast(hidden.device):
+            for layer in self.layers:
+                out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=embeddings,
+                            use_cache=False)
+                hidden = out[0] if isinstance(out, tuple) else out
+        return self.norm(hidden.float())  # the final norm in float32: what the correction reads
 
 
 def cached_tail(slot, ctx, depth: int) -> FrozenTail:
@@ -154,7 +181,12 @@ def cached_tail(slot, ctx, depth: int) -> FrozenTail:
     if entry is None:
         entry = read_tail_tensors(slot.get(), depth)
         ctx.cache.save("merged.tail", key, entry)
-    return FrozenTail.from_tensors(skeleton, depth, entry).to(ctx.device)
+    tail = FrozenTail.from_tensors(skeleton, depth, entry).to(ctx.device)
+    tail.compute_dtype = tail_compute_dtype(ctx.device)
+    if tail.compute_dtype is not None:
+        LOG.info("depth: the %d frozen block(s) run under %s autocast on %s (adapters, loss and optimizer float32)",
+                 depth, str(tail.compute_dtype).replace("torch.", ""), ctx.device)
+    return tail
 
 
 def check_depth(depth: int, layers: int) -> None:
@@ -167,7 +199,9 @@ def check_depth(depth: int, layers: int) -> None:
 def check_replay(name: str, tail: FrozenTail, data, batch_size: int, dtype: torch.dtype) -> None:
     """The tail run from ``data.block_inputs`` must reproduce ``data.merged_hidden`` (the merged final
     states captured in the same forward); else this architecture's blocks need arguments we do not pass."""
-    tolerance = REPLAY_TOLERANCE.get(dtype, REPLAY_TOLERANCE_LOW_PRECISION)
+    # a float32 capture replayed under bfloat16 autocast differs by the autocast's rounding
+    tolerance = REPLAY_TOLERANCE.get(dtype if tail.compute_dtype is None else tail.compute_dtype,
+                                     REPLAY_TOLERANCE_LOW_PRECISION)
     mask = data.attention_mask.bool()
     worst: Optional[float] = None
     for start in range(0, mask.shape[0], batch_size):

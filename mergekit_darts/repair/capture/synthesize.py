@@ -133,7 +133,8 @@ class _Filter:
 
 def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], count: int, ctx, *,
                        temperature: float, seed: int, stop_ids: set, special_ids: set, desc: str,
-                       threshold: float = NEAR_DUPLICATE) -> Tuple[List[List[int]], Dict[str, int]]:
+                       threshold: float = NEAR_DUPLICATE, writer: str = "the expert"
+                       ) -> Tuple[List[List[int]], Dict[str, int]]:
     """``count`` new prompts (token ids) written by ``model`` from the ``train`` prompts; never one
     that is a ``held`` prompt's near duplicate. Returns (prompts, {"requested", "kept", "sampled" (the
     samples examined), and each rejection reason: count}). Fewer than ``count`` (logged) when the expert does not write
@@ -175,8 +176,8 @@ def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], cou
     bar.close()
     stats = {"requested": count, "kept": len(kept), "sampled": sampled, **checks.rejected}
     if len(kept) < count:
-        LOG.warning("%s: the expert wrote %d acceptable prompt(s) of the %d asked for in %d samples (rejected: %s)",
-                    desc, len(kept), count, sampled, {k: v for k, v in checks.rejected.items() if v})
+        LOG.warning("%s: %s wrote %d acceptable prompt(s) of the %d asked for in %d samples (rejected: %s)",
+                    desc, writer, len(kept), count, sampled, {k: v for k, v in checks.rejected.items() if v})
     return kept, stats
 
 
@@ -230,7 +231,7 @@ def add_synthesized(slot, prompts: Prompts, spec, ctx) -> None:
             rows, stats = synthesize_prompts(
                 model, train, held, spec.synthesize, ctx, temperature=spec.synthesize_temperature,
                 seed=spec.sample_seed, stop_ids=set(stop), special_ids=set(ctx.tokenizer.all_special_ids),
-                desc=f"synthesize · {spec.name}")
+                desc=f"synthesize · {spec.name}", writer=writer_name(spec))
             del model
         finally:
             if spec.synthesize_writer is not None:
@@ -242,4 +243,11 @@ def add_synthesized(slot, prompts: Prompts, spec, ctx) -> None:
     rows = [row[:n].tolist() for row, n in zip(entry["input_ids"], entry["lengths"].tolist())]
     prompts.ids, prompts.real = real + rows, len(real)
     prompts.synthesis = dict(zip(STATS, entry["stats"].tolist()))
-    LOG.info("domain %s: %d prompt(s) written by the expert (%s)", spec.name, len(rows), prompts.synthesis)
+    LOG.info("domain %s: %d prompt(s) written by %s (%s)", spec.name, len(rows), writer_name(spec), prompts.synthesis)
+
+
+def writer_name(spec) -> str:
+    """Who writes a domain's prompts, as the log lines say it."""
+    if spec.synthesize_writer is None:
+        return "the expert"
+    return f"the synthesize_writer ({spec.synthesize_writer})"

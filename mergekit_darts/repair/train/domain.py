@@ -51,7 +51,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     from mergekit_darts.repair.report.behaviour import domain_behaviour
     from mergekit_darts.repair.report.measure import bias_by_position, held_out_kl
     from mergekit_darts.repair.report.verdict import domain_verdict
-    from mergekit_darts.repair.train.selection import fit
+    from mergekit_darts.repair.train.selection import fit, keep_better
     from mergekit_darts.repair.train.delta_init import start_from_deltas
     from mergekit_darts.repair.train.tail import TailSurgery
 
@@ -99,6 +99,19 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     )
     history = fitted.history
     measured = fitted.module.eval()  # what the held-out numbers are measured with (with depth: tail + surgery)
+    no_regret, rejected = None, None
+    if surgery.no_regret:  # the untrained start ships when training did not beat it (docs/quality.md)
+        check_finite_training(name, measured.surgery if tail is not None else measured, torch.zeros(0), surgery)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(settings.seed)  # the very start fit trained from
+            start = make_module().to(device)
+        compared_on, index = comparison_records(rows)
+        kept, no_regret = keep_better(
+            measured, start, on_device(index), compared_on=compared_on, selection=fitted.selection,
+            start_kind="data-free extract" if surgery.adapter_init == "delta" else "identity", loss=surgery.loss,
+            expert_head=data.expert_head.to(device, torch.float32) if kl else None,
+            merged_head=merged_head.to(device, torch.float32) if kl else None, chunk_size=surgery.kl_chunk_size)
+        rejected, measured = (measured if kept is start else start), kept
     module = measured.surgery if tail is not None else measured  # what is exported
     entry: Dict[str, Any] = {
         "expert": surgery.domains[name].model,
@@ -128,6 +141,11 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
                                        data.expert_head.to(device), merged_head.to(device), surgery.kl_chunk_size)
     if not kl:
         entry["held_out_loss"] = held_out_objective(surgery.loss, held, corrected)
+    if no_regret is not None:  # what the one not shipped gives on the report's records
+        no_regret["other_held_out_kl"] = held_out_kl(rejected, {k: v.to(device) for k, v in held.items()},
+                                                     data.expert_head.to(device), merged_head.to(device),
+                                                     surgery.kl_chunk_size)["after"]
+        entry["no_regret"] = no_regret
     prefix_corrected = corrected_prefixes(measured, data, tail is not None, device)
     module.cpu()  # the greedy-agreement figures on the cpu, where the cached states are
     entry["behaviour"] = domain_behaviour(data, eval_idx, corrected, module, merged_head.cpu(),
@@ -141,7 +159,19 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     else:
         entry["baseline"] = {"not_measured": "the data-free extract (expert − merge) needs block adapters "
                                              "(depth > 0) or a head correction (head_rank > 0)"}
+    # train_seconds + measure_seconds: the run's `train:<name>` stage (the report table says so)
+    entry["measure_seconds"] = round(time.perf_counter() - started - entry["train_seconds"], 3)
     return TrainedDomain(module=module, entry=entry)
+
+
+def comparison_records(rows: Dict[str, torch.Tensor]):
+    """(what the no-regret comparison is made on, its row indices): the validation split when one was
+    kept; else the held-out records — the report's own, which the report then says; else (held_out: 0)
+    the training records."""
+    for split in ("validation", "held_out"):
+        if rows[split].numel():
+            return split, rows[split]
+    return "train", rows["train"]
 
 
 def corrected_prefixes(measured, data, with_tail: bool, device) -> Optional[torch.Tensor]:

@@ -13,15 +13,26 @@ from torch import nn
 from mergekit_darts.repair.capture.block_inputs import FrozenTail
 
 
+def adapted_output(out: torch.Tensor, adapter, inputs: torch.Tensor, autocast: bool) -> torch.Tensor:
+    """A frozen linear's output plus its adapter's. Under the tail's autocast (a GPU, bfloat16 blocks)
+    the adapter runs with autocast off on the float32 input and the sum is float32: the trained
+    parameters and their gradients never pass through bfloat16 (docs/scale.md)."""
+    if not autocast:
+        return out + adapter(inputs).to(out.dtype)
+    with torch.autocast(inputs.device.type, enabled=False):
+        return out.float() + adapter(inputs.float())
+
+
 @contextmanager
 def adapters_on(tail: FrozenTail, surgery):
     """The domain's block adapters added to the tail's linears while the context is open."""
     handles = []
+    autocast = tail.compute_dtype is not None
     try:
         for index, path, adapter in surgery.block_adapters():
             linear = tail.layers[index - tail.first].get_submodule(path)
             handles.append(linear.register_forward_hook(
-                lambda module, args, out, adapter=adapter: out + adapter(args[0]).to(out.dtype)))
+                lambda module, args, out, adapter=adapter: adapted_output(out, adapter, args[0], autocast)))
         yield
     finally:
         for handle in handles:
