@@ -330,3 +330,30 @@ def test_an_expert_that_ends_every_prompt_at_once_gets_no_score(tiny_family, tmp
     assert "not measured" in table and "behaviour math: not measured: the expert ends every" in table
     card = (out / "README.md").read_text(encoding="utf-8")
     assert "not measured (0 prompts with a continuation, 5 the expert ended at once)" in card
+
+
+def test_verdict_follows_the_behaviour_figures_of_a_real_report(continued_output):
+    """Issue 46 item 1: "improved" only when the objective improved and the greedy exact match and top-1
+    agreement got no worse and one of them moved; the same real entry with its behaviour figures made
+    worse is "mixed", with them unmoved "unchanged", each saying why."""
+    import copy
+
+    from mergekit_darts.repair.report.verdict import domain_verdict
+
+    _, report = continued_output
+    entry = report["domains"]["math"]
+    behaviour, verdict = entry["behaviour"], entry["verdict"]
+    moves = [behaviour["after"][key] - behaviour["before"][key] for key in ("exact_match", "top1_agreement")]
+    improved_kl = entry["held_out_kl"]["after"] < entry["held_out_kl"]["before"]
+    expected = ("improved" if min(moves) >= 0 and max(moves) > 0 else "mixed" if min(moves) < 0 else "unchanged") \
+        if improved_kl else "worse"
+    assert verdict["status"] == expected
+    assert improved_kl and entry["no_regret"]["kept"] == "trained"  # 40 kl steps help on this family
+    worse = copy.deepcopy(entry)
+    worse["behaviour"]["after"]["exact_match"] = worse["behaviour"]["before"]["exact_match"] - 0.2
+    mixed = domain_verdict(worse, "kl")
+    assert mixed["status"] == "mixed" and "greedy exact match" in mixed["why"] and "KL to expert improved" in mixed["why"]
+    still = copy.deepcopy(entry)
+    still["behaviour"]["after"] = dict(still["behaviour"]["before"])
+    unchanged = domain_verdict(still, "kl")
+    assert unchanged["status"] == "unchanged" and "no greedy decision changed" in unchanged["why"]

@@ -168,7 +168,7 @@ def test_report_card_and_console_show_the_extract_beside_the_trained(extract_out
     table = render_report(out, plot=False)
     assert "data-free extract" in table and gap in table
     card = open(f"{out}/README.md", encoding="utf-8").read()
-    assert "Against the data-free extract" in card and f"| {gap} / {gap} |" in card  # steps 0: trained = extract
+    assert "against the data-free extract it started from" in card and f"| {gap} / {gap} |" in card  # steps 0: trained = extract
     assert any(line.startswith("  data-free extract (rank 2 + head 2") and gap in line for line in summary_lines(report))
 
 

@@ -67,15 +67,17 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         # numbers from training records (held_out: 0 or too few records) must not be called held-out
         measured = "held-out records" if info.get("bias_split", "held_out") == "held_out" else "**training records**"
         verdict = (info.get("verdict") or {}).get("status", "–")
-        if verdict in ("worse", "non_finite"):
-            verdict = f"**{verdict.replace('_', '-')} than the plain merge**"
+        if verdict in ("worse", "non_finite", "mixed", "unchanged"):
+            from mergekit_darts.repair.report.verdict import STATUS_WORDS
+
+            verdict = f"**{STATUS_WORDS[verdict]}**"
         if info.get("verdict"):  # which metric decided, and any that disagrees
             from mergekit_darts.repair.report.verdict import verdict_note
 
             verdict += f" ({verdict_note(info['verdict'])})"
         lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {measured} | {change} "
                      f"| {kl_change} | {_behaviour_cell(info.get('behaviour'))} | {verdict} |")
-    lines += _baseline_lines(by_domain)
+    lines += _baseline_lines(report or {})
     lines += _router_lines(darts_meta.get("router"), (report or {}).get("router"))
     example = next(iter(domains))
     lines += [
@@ -101,19 +103,27 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
     return "\n".join(lines)
 
 
-def _baseline_lines(by_domain: dict) -> list:
+def _baseline_lines(report: dict) -> list:
     """The data-free extract (the same adapters from the SVD of expert − merge, untrained) beside the
-    trained correction, so a reader sees what the training added."""
-    from mergekit_darts.repair.report.table import baseline_cells
+    trained correction, both sizes, and which of the two each domain ships (no regret)."""
+    from mergekit_darts.repair.report.table import baseline_cells, baseline_intro, behaviour_reason, no_regret_text
 
+    by_domain = report.get("domains", {})
+    lines = [f"- `{name}`, no regret: {text}" for name, info in by_domain.items()
+             if (text := no_regret_text(info)) is not None]
+    lines = ["", "Each domain's trained correction against its untrained start (the better one ships):", "", *lines] \
+        if lines else []
     rows = [(name, cells) for name, info in by_domain.items() if (cells := baseline_cells(info)) is not None]
     if not rows:
-        return []
-    lines = ["", "Against the data-free extract of the same adapters (truncated SVD of expert − merge, no "
-             "training; what `mergekit-extract-lora` gives), on the same held-out records:", "",
-             "| Domain | Extract | KL gap closed: extract / trained | Greedy exact match: extract / trained |",
-             "|---|---|---|---|"]
-    return lines + [f"| `{name}` | {size} | {' / '.join(gap)} | {' / '.join(exact)} |" for name, (size, gap, exact) in rows]
+        return lines
+    measured = any(cell != "–" and cell != "-" for _, cells in rows for cell in cells[3])
+    lines += ["", baseline_intro(report).replace("mergekit-extract-lora", "`mergekit-extract-lora`"), "",
+              "| Domain | Extract | Parameters: extract / trained | KL gap closed: extract / trained |"
+              + (" Greedy exact match: extract / trained |" if measured else ""),
+              "|---|---|---|---|" + ("---|" if measured else "")]
+    lines += [f"| `{name}` | {size} | {' / '.join(params)} | {' / '.join(gap)} |" + (f" {' / '.join(exact)} |" if measured else "")
+              for name, (size, params, gap, exact) in rows]
+    return lines + ([] if measured else ["", f"Greedy exact match: not measured ({behaviour_reason(report)})."])
 
 
 def _behaviour_cell(behaviour: Optional[dict]) -> str:

@@ -3,6 +3,7 @@ and print the table from an output directory's ``darts_report.json``."""
 
 import json
 import os
+import textwrap
 from typing import Any, Dict, List, Optional, Tuple
 
 from mergekit_darts.console import format_table, pack
@@ -38,10 +39,10 @@ def behaviour_cells(behaviour: Optional[Dict[str, Any]]):
             f"{before['first_disagreement']:.1f} -> {after['first_disagreement']:.1f}"]
 
 
-def baseline_cells(entry: Dict[str, Any]) -> Optional[Tuple[str, Tuple[str, str], Tuple[str, str]]]:
-    """(extract size, KL gap closed, greedy exact match) of a domain whose report has a measured
-    ``baseline`` (the untrained delta-initialised adapters), the last two as (data-free extract,
-    trained); None when it has none."""
+def baseline_cells(entry: Dict[str, Any]) -> Optional[Tuple[str, Tuple[str, str], Tuple[str, str], Tuple[str, str]]]:
+    """(extract's shape, parameters, KL gap closed, greedy exact match) of a domain whose report has a
+    measured ``baseline`` (the untrained delta-initialised adapters), the last three as (data-free
+    extract, trained correction); None when it has none."""
     baseline = entry.get("baseline") or {}
     if "held_out_kl" not in baseline:
         return None
@@ -52,8 +53,14 @@ def baseline_cells(entry: Dict[str, Any]) -> Optional[Tuple[str, Tuple[str, str]
     def exact(behaviour):
         return f"{100 * behaviour['after']['exact_match']:.0f}%" if behaviour and "after" in behaviour else "-"
 
-    size = f"rank {baseline['rank']}" + (f" + head {baseline['head_rank']}" if baseline.get("head_rank") else "")
-    return (f"{size}, {baseline['parameters']:,} params", (gap(baseline["held_out_kl"]), gap(entry.get("held_out_kl"))),
+    def count(value):
+        return "-" if value is None else f"{value:,}"
+
+    parts = ([f"rank {baseline['rank']}"] if baseline.get("linears", 1) else []) + (
+        [f"head {baseline['head_rank']}"] if baseline.get("head_rank") else [])
+    size = " + ".join(parts) or "-"
+    return (size, (count(baseline.get("parameters")), count(entry.get("parameters"))),
+            (gap(baseline["held_out_kl"]), gap(entry.get("held_out_kl"))),
             (exact(baseline.get("behaviour")), exact(entry.get("behaviour"))))
 
 
@@ -62,20 +69,84 @@ def baseline_line(entry: Dict[str, Any]) -> List[str]:
     cells = baseline_cells(entry)
     if cells is None:
         return []
-    size, (extract, trained), _ = cells
-    return [f"  data-free extract ({size}): KL gap closed {extract} (trained {trained})"]
+    size, (extract_size, trained_size), (extract, trained), _ = cells
+    return [f"  data-free extract ({size}, {extract_size} params; the trained correction {trained_size}): "
+            f"KL gap closed {extract} (trained {trained})"]
+
+
+def baseline_intro(report: Dict[str, Any]) -> str:
+    """What the baseline comparison shows, true to the run: the start the training had (the extract
+    itself, or the zero start beside it), what the trained correction carries on top of the extract's
+    adapters, and the records both were measured on."""
+    settings = report.get("surgery") or {}
+    entries = list((report.get("domains") or {}).values())
+    on_train = any(entry.get("bias_split") == "train" for entry in entries)
+    where = ("the same training records (held_out: 0 or too few records: there are no held-out ones)" if on_train
+             else "the same held-out records")
+    extract = ("the same adapters, untrained: the truncated SVD of expert - merge, what mergekit-extract-lora "
+               "gives")
+    if settings.get("adapter_init") == "delta":
+        what = f"The trained correction against the data-free extract it started from ({extract})"
+    else:
+        what = f"The data-free extract ({extract}) beside the correction trained from the zero start"
+    carried = f"a rank-{settings['rank']} content correction" if settings.get("rank") else "a content correction"
+    if settings.get("method", "darts") == "darts":
+        carried += f" and a {settings.get('max_positions', '?')}-position table"
+    return (f"{what}, on {where}. The trained correction also carries {carried} the extract has not: "
+            "both parameter counts are shown.")
 
 
 def baseline_lines(report: Dict[str, Any]) -> List[str]:
-    """The data-free extract beside the trained correction, per domain (empty when none was measured)."""
-    rows = [["domain", "data-free extract", "KL gap closed: extract | trained", "exact match: extract | trained"]]
-    rows += [[name, size, " | ".join(gap), " | ".join(exact)] for name, entry in report.get("domains", {}).items()
-             if (cells := baseline_cells(entry)) is not None for size, gap, exact in [cells]]
-    if len(rows) == 1:
+    """The data-free extract beside the trained correction, per domain (empty when none was measured):
+    every cell "extract | trained"; the exact-match column only where it was measured, else one line why."""
+    found = [(name, cells) for name, entry in report.get("domains", {}).items()
+             if (cells := baseline_cells(entry)) is not None]
+    if not found:
         return []
-    return ["", "What training added to the data-free extract (the same adapters started from the truncated SVD",
-            "of expert - merge, untrained; what mergekit-extract-lora gives), on the same held-out records:",
-            *format_table(rows)]
+    measured = any(cell != "-" for _, cells in found for cell in cells[3])
+    rows = [["domain", "extract", "parameters", "KL gap closed"] + (["exact match"] if measured else [])]
+    rows += [[name, size, " | ".join(params), " | ".join(gap)] + ([" | ".join(exact)] if measured else [])
+             for name, (size, params, gap, exact) in found]
+    lines = ["", *textwrap.wrap(baseline_intro(report) + " Each cell: extract | trained.", 100), *format_table(rows)]
+    if not measured:
+        lines += textwrap.wrap(f"exact match: not measured ({behaviour_reason(report)})", 100, subsequent_indent="  ")
+    return lines
+
+
+def behaviour_reason(report: Dict[str, Any]) -> str:
+    """Why no domain has behaviour figures, once: the reasons the report recorded, without repeats."""
+    reasons = []
+    for entry in report.get("domains", {}).values():
+        reason = (entry.get("behaviour") or {}).get("not_measured")
+        if reason and reason not in reasons:
+            reasons.append(reason)
+    return "; ".join(reasons) or "calibration.continue_tokens is 0: no expert continuation to compare with"
+
+
+def no_regret_text(entry: Dict[str, Any]) -> Optional[str]:
+    """Which of the trained correction and its untrained start shipped, on what and by how much (the
+    ``no_regret`` comparison, train/selection.py ``keep_better``); None when there was none."""
+    record = entry.get("no_regret") or {}
+    if "kept" not in record:
+        return None
+    where = {"validation": f"the validation split ({record['records']} records)",
+             "held_out": f"the held-out records ({record['records']}; no validation split: the records the report's "
+                         "figures come from)",
+             "train": f"the training records ({record['records']}; held_out: 0 and no validation split)"}[
+        record["compared_on"]]
+    trained, untrained, margin = record["trained"], record["untrained"], record["margin"]
+    share = (f"{100 * abs(margin) / untrained:.1f}% {'lower' if margin > 0 else 'higher'}" if untrained and margin
+             else "equal" if not margin else "")
+    kept = ("kept the trained correction" if record["kept"] == "trained"
+            else f"kept the untrained start ({record['start']}): training did not beat it")
+    return (f"{kept}: {record['metric']} {trained:.4g} trained against {untrained:.4g} untrained"
+            f"{f' ({share})' if share else ''} on {where}")
+
+
+def no_regret_line(entry: Dict[str, Any]) -> List[str]:
+    """The console's line on the no-regret comparison (none when it was not made)."""
+    text = no_regret_text(entry)
+    return [] if text is None else [f"  no regret: {text}"]
 
 
 def row_counted(behaviour: Optional[Dict[str, Any]]) -> bool:
@@ -89,7 +160,7 @@ def summary_table(report: Dict[str, Any]) -> str:
     whether those are held-out or (held_out: 0, too few records) training records. Two tables
     (training, then what was measured) of at most 100 columns (``console.format_table``), and a third
     with the behaviour figures (greedy continuations vs the expert's) when they were measured."""
-    training = [["domain", "train", "held-out", "measured on", "final loss", "train s", "verdict"]]
+    training = [["domain", "train", "held-out", "measured on", "final loss", "train s", "measure s", "verdict"]]
     measured = [["domain", "L1 before", "L1 after", "L1 cut", "EW-L1 before", "EW-L1 after", "KL before",
                  "KL after", "gap closed"]]
     behaviour = [["domain", "prompts", "exact match", "top-1 agreement", "first diff"]]
@@ -104,6 +175,7 @@ def summary_table(report: Dict[str, Any]) -> str:
         closed = kl.get("gap_closed")
         training.append([name, _fmt(calib.get("train")), _fmt(calib.get("held_out")), split,
                          _fmt(entry.get("final_loss")), _fmt(entry.get("train_seconds"), 1),
+                         _fmt(entry.get("measure_seconds"), 1),
                          status if status in ("improved", "-") else status.upper()])
         measured.append([name, _fmt(before), _fmt(after), reduction, _fmt(bias.get("mean_before_weighted")),
                          _fmt(bias.get("mean_after_weighted")), _sig(kl.get("before")), _sig(kl.get("after")),
@@ -120,6 +192,9 @@ def summary_table(report: Dict[str, Any]) -> str:
              if entry.get("verdict")]
     notes += [f"behaviour {name}: not measured: {entry['behaviour']['not_measured']}"
               for name, entry in report.get("domains", {}).items() if row_counted(entry.get("behaviour"))]
+    notes += [f"no regret {name}: {text}" for name, entry in report.get("domains", {}).items()
+              if (text := no_regret_text(entry)) is not None]
+    notes = [part for note in notes for part in textwrap.wrap(note, 100, subsequent_indent="  ")]
     lines += [""] + notes if notes else []
     settings = report.get("surgery") or {}
     if settings:
@@ -147,7 +222,9 @@ def summary_table(report: Dict[str, Any]) -> str:
         lines += ["exact match / top-1 agreement / first diff, plain merge -> corrected: held-out prompts whose",
                   "  greedy continuation is the expert's, the share of the expert's tokens that are the model's",
                   "  top-1, the mean position of the first differing token (docs/quality.md, Behaviour)."]
-    lines += ["train s: wall seconds of the domain's training (lr choice, early stopping and refit included)."]
+    lines += ["train s: wall seconds of the domain's training (reading the weight deltas, lr choice, early",
+              "  stopping, refit and the no-regret comparison included); measure s: of measuring it (the",
+              "  held-out figures and the baseline). Together they are the stages line's 'train <domain>'."]
     return "\n".join(lines)
 
 

@@ -33,6 +33,8 @@ def _finite(value: Any) -> bool:
 def _status(before: Any, after: Any) -> str:
     if not (_finite(before) and _finite(after)):
         return "non_finite"
+    if after == before:  # an exact tie (steps: 0 from the identity): nothing the correction did counts
+        return "unchanged"
     return "worse" if after > before else "improved"
 
 
@@ -58,31 +60,84 @@ def _moved(before: Any, after: Any, higher_is_better: bool) -> Optional[str]:
     return "improved" if (after > before) == higher_is_better else "worse"
 
 
+# The behaviour figures that can overrule an "improved" objective: what the corrected model generates
+# (docs/quality.md, Behaviour). First disagreement follows from these two and decides nothing itself.
+BEHAVIOUR_VERDICT = (("greedy exact match", "exact_match"), ("top-1 agreement", "top1_agreement"))
+
+# What each status says about the correction against the plain merge, in the console and the card.
+STATUS_WORDS = {"improved": "better than the plain merge", "worse": "worse than the plain merge",
+                "mixed": "mixed against the plain merge", "unchanged": "no better than the plain merge",
+                "non_finite": "not finite"}
+
+
+def _behaviour_moves(entry: Dict[str, Any]) -> List[Tuple[str, Any, Any, Optional[str]]]:
+    """(label, before, after, "improved" | "worse" | None) of the behaviour figures that were measured."""
+    behaviour = entry.get("behaviour") or {}
+    if "before" not in behaviour or "after" not in behaviour:
+        return []
+    moves = [(label, behaviour["before"].get(key), behaviour["after"].get(key)) for label, key in BEHAVIOUR_VERDICT]
+    return [(label, b, a, _moved(b, a, True)) for label, b, a in moves if _finite(b) and _finite(a)]
+
+
+def _overall(objective: str, label: str, before: Any, after: Any, entry: Dict[str, Any]) -> Tuple[str, str]:
+    """(status, why): the objective's direction, unless what the model generates says otherwise. An
+    improved objective whose behaviour figures got worse is "mixed"; one whose behaviour figures did not
+    move at all is "unchanged" (every greedy decision is the plain merge's); the untrained identity
+    kept by the no-regret comparison is "unchanged" whatever float noise its replay adds."""
+    kept = entry.get("no_regret") or {}
+    if kept.get("kept") == "start" and kept.get("start") == "identity" and objective != "non_finite":
+        return "unchanged", "the untrained start (the identity: the plain merge) was kept"
+    if objective == "unchanged":
+        return "unchanged", f"an exact tie: {label} {_short(before)} before and after"
+    moves = _behaviour_moves(entry)
+    if objective != "improved" or not moves:
+        return objective, ""
+    worse = [f"{m} {_short(b)} -> {_short(a)}" for m, b, a, direction in moves if direction == "worse"]
+    if worse:
+        return "mixed", f"{label} improved but {' and '.join(worse)}"
+    if all(direction is None for *_, direction in moves):
+        return "unchanged", (f"{label} improved ({_short(before)} -> {_short(after)}) but no greedy decision "
+                             f"changed: {' and '.join(m for m, *_ in moves)} are the plain merge's")
+    return "improved", ""
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def domain_verdict(entry: Dict[str, Any], loss: str) -> Dict[str, Any]:
-    """``{"status": "improved" | "worse" | "non_finite", "decided_by", "before", "after", "measured_on",
-    "disagreeing"}``: whether the correction beat the plain merge on the metric that decides
-    (``verdict_metrics``); ``disagreeing`` lists every other measured figure (``verdict_metrics``'
-    others and ``measured_figures``) that moved the other way."""
+    """``{"status": "improved" | "mixed" | "unchanged" | "worse" | "non_finite", "decided_by", "before",
+    "after", "measured_on", "disagreeing"}`` and, unless improved, ``"why"``: whether the correction beat
+    the plain merge. The metric that decides (``verdict_metrics``) gives the direction; where the
+    behaviour figures were measured, "improved" also needs the greedy exact match and top-1 agreement to
+    get no worse and one of them to move (``_overall``). ``disagreeing`` lists every other measured
+    figure (``verdict_metrics``' others and ``measured_figures``) that moved against the deciding metric."""
     (label, before, after), *others = verdict_metrics(entry, loss)
-    status = _status(before, after)
+    objective = _status(before, after)
+    status, why = _overall(objective, label, before, after, entry)
     held_out = entry.get("bias_split", "held_out") == "held_out"
     verdict = {"status": status, "decided_by": f"{'held-out' if held_out else 'training-records'} {label}",
                "metric": label, "before": before, "after": after,
                "measured_on": "held-out records" if held_out else "training records"}
+    if why:
+        verdict["why"] = why
     figures = [(other, b, a, False) for other, b, a in others]
     figures += [figure for figure in measured_figures(entry) if figure[0] not in {label, *(o[0] for o in others)}]
     moved = [(other, b, a, _moved(b, a, higher)) for other, b, a, higher in figures]
     verdict["disagreeing"] = [{"metric": other, "before": b, "after": a, "status": direction}
                               for other, b, a, direction in moved
-                              if status != "non_finite" and direction is not None and direction != status]
+                              if objective in ("improved", "worse") and direction is not None and direction != objective]
     return verdict
 
 
 def verdict_note(verdict: Dict[str, Any]) -> str:
-    """``"decided by held-out ewl1 loss; KL to expert got worse"``: the verdict's basis, one phrase."""
+    """``"decided by held-out ewl1 loss; KL to expert got worse"``, or ``"decided by held-out KL to expert;
+    mixed: KL to expert improved but greedy exact match 0.6 -> 0.4"``: the verdict's basis, one phrase."""
     if not verdict:
         return ""
     note = f"decided by {verdict.get('decided_by', verdict.get('metric', '?'))}"
+    if verdict.get("why"):  # why a measured objective did not make it "improved"
+        note += f"; {verdict['status']}: {verdict['why']}"
     for other in verdict.get("disagreeing") or ():
         note += f"; {other['metric']} got {'worse' if other['status'] == 'worse' else 'better'}"
     return note
@@ -94,14 +149,16 @@ def choose_default(report: Dict[str, Any], requested: str, allow_worse: bool) ->
     its reason are recorded in ``report["default_domain"]``."""
     entry = report.get("domains", {}).get(requested)
     verdict = (entry or {}).get("verdict") or {}
+    status = verdict.get("status")
     chosen, reason = requested, None
-    if entry is not None and verdict.get("status") != "improved":
-        if verdict.get("status") == "non_finite":
+    if entry is not None and status != "improved":
+        if status == "non_finite":
             chosen, reason = "none", "its metric is not finite"
         elif allow_worse:
-            reason = "kept although worse than the plain merge (surgery.allow_worse_default: true)"
+            reason = f"kept although {STATUS_WORDS.get(status, status)} (surgery.allow_worse_default: true)"
         else:
-            chosen, reason = "none", "worse than the plain merge"
+            why = f" ({verdict['why']})" if verdict.get("why") else ""
+            chosen, reason = "none", f"{STATUS_WORDS.get(status, status)}{why}"
     report["default_domain"] = {"requested": requested, "used": chosen, **({"reason": reason} if reason else {})}
     return chosen
 

@@ -137,3 +137,25 @@ def fit(make_module: Callable[[], Any], train_data: Dict[str, torch.Tensor],
         history = train(module, refit, selection["steps"], selection["lr"], "refit")
         selection["refit_records"] = int(refit["merged"].shape[0])
     return FitResult(module=module.eval(), history=history, selection=selection)
+
+
+def keep_better(trained, start, records: Dict[str, torch.Tensor], *, compared_on: str, start_kind: str,
+                selection: Dict[str, Any], loss: str, expert_head, merged_head, chunk_size: int):
+    """No regret (docs/quality.md): ``(kept module, record)``, the trained correction or its untrained
+    ``start`` (``start_kind``: "data-free extract" or "identity"), whichever has the lower training loss
+    on ``records``. On the validation split (``compared_on`` "validation") the trained side is the
+    selected run's own validation loss (``selection``), measured before any refit trained on those
+    records; elsewhere both are measured here. A tie keeps the start: training bought nothing."""
+    start_value = validation_loss(start, records, loss, expert_head, merged_head, chunk_size)
+    if compared_on == "validation" and "validation_loss" in selection:
+        trained_value = float(selection["validation_loss"])
+    else:
+        trained_value = validation_loss(trained, records, loss, expert_head, merged_head, chunk_size)
+    kept = "trained" if trained_value < start_value else "start"
+    record = {"kept": kept, "start": start_kind, "compared_on": compared_on, "records": int(records["merged"].shape[0]),
+              "metric": f"{loss} loss", "trained": trained_value, "untrained": start_value,
+              "margin": start_value - trained_value}
+    LOG.info("no regret: kept the %s (%s loss on %s: trained %.5g, untrained %.5g)",
+             "trained correction" if kept == "trained" else f"untrained start ({start_kind})", loss, compared_on,
+             trained_value, start_value)
+    return (trained if kept == "trained" else start.eval()), record
