@@ -117,3 +117,26 @@ def make_family(root: str, arch: str = "llama", domains: List[str] = ("math", "c
         paths[domain] = os.path.join(root, domain)
         make_expert(paths["base"], paths[domain], seed=seed + 1 + index, scale=scale)
     return paths
+
+
+def make_low_rank_expert(base_path: str, path: str, seed: int, targets: Iterable[str] = ("q_proj", "v_proj"),
+                         rank: int = 2, scale: float = 0.5) -> str:
+    """Save base + a seeded rank-``rank`` delta on the ``targets`` linears only (every other tensor the
+    base's, byte for byte) to ``path``: what a PEFT LoRA on q/v merged with ``merge_and_unload`` gives."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base_path, path)
+    weights_file = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights_file)
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in tensors.items():
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in targets:
+            out_features, in_features = tensor.shape
+            left = torch.randn(out_features, rank, generator=generator)
+            right = torch.randn(rank, in_features, generator=generator)
+            delta = left @ right * (scale * tensor.float().std() / rank ** 0.5)
+            tensors[name] = (tensor.float() + delta).to(tensor.dtype)
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    return path

@@ -13,6 +13,7 @@ Tensors are read one at a time from the safetensors files (single file or sharde
 whole model: peak memory is one linear of each model and its float32 difference.
 """
 
+import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -30,11 +31,18 @@ LOWRANK_OVERSAMPLE = 16  # extra columns of the randomized range finder
 LOWRANK_ITERATIONS = 6  # its power iterations (the singular values of weight deltas decay slowly)
 
 Factors = Tuple[torch.Tensor, torch.Tensor]  # (down [r, in], up [out, r]), float32, on the cpu
+Linear = Tuple[int, str]  # (layer index, path of the linear in its block)
+# a singular value at most this share of the largest times the matrix's larger side is numerically
+# zero (numpy.linalg.matrix_rank's rule): its direction is left empty for a LoRA start (see below)
+EMPTY_TOLERANCE = torch.finfo(torch.float32).eps
+# what is cached (capture/cache.py) changes when the reading or the SVD does: bump to stop old entries
+EXTRACT_VERSION = 1
 
 
 def low_rank_factors(delta: torch.Tensor, rank: int, device: torch.device = torch.device("cpu")) -> Factors:
-    """``(down, up)`` with ``up @ down`` the best rank-``rank`` approximation of ``delta`` (zero rows /
-    columns past the matrix's own rank)."""
+    """``(down, up)`` with ``up @ down`` the best rank-``rank`` approximation of ``delta``. Directions
+    the delta does not have (past the matrix's rank, or a numerically zero singular value) are exactly
+    zero rows of ``down`` and columns of ``up``: ``start_from_deltas`` starts them as a LoRA does."""
     matrix = delta.to(device, torch.float32)
     out_features, in_features = matrix.shape
     kept = min(rank, out_features, in_features)
@@ -46,6 +54,8 @@ def low_rank_factors(delta: torch.Tensor, rank: int, device: torch.device = torc
             u, s, v = torch.svd_lowrank(matrix, q=min(kept + LOWRANK_OVERSAMPLE, out_features, in_features),
                                         niter=LOWRANK_ITERATIONS)
         vh = v.T
+    tolerance = float(s.max()) * max(out_features, in_features) * EMPTY_TOLERANCE if s.numel() else 0.0
+    kept = min(kept, int((s > tolerance).sum()))
     root = s[:kept].sqrt()
     down = torch.zeros(rank, in_features)
     up = torch.zeros(out_features, rank)
@@ -57,13 +67,16 @@ def low_rank_factors(delta: torch.Tensor, rank: int, device: torch.device = torc
 @dataclass
 class DomainDeltas:
     """One domain's start: factors per adapted linear ``(layer index, path in the block)``, and the
-    head's when the module has a head correction."""
+    head's when the module has a head correction. ``biases``: the bias deltas (expert − merge) of the
+    adapted linears that have a bias (Qwen2's q/k/v), which ``mergekit-extract-lora`` writes as
+    ``lora_B.bias``; the block adapters have no bias, so they are reported (``describe``), not carried."""
 
     rank: int
-    blocks: Dict[Tuple[int, str], Factors] = field(default_factory=dict)
+    blocks: Dict[Linear, Factors] = field(default_factory=dict)
     head_rank: int = 0
     head: Optional[Factors] = None
     svd: str = "exact"  # "exact" or "randomized" (some linear above EXACT_SVD_MAX on a CPU)
+    biases: Dict[Linear, torch.Tensor] = field(default_factory=dict)
 
     @property
     def parameters(self) -> int:
@@ -71,17 +84,38 @@ class DomainDeltas:
         factors = list(self.blocks.values()) + ([self.head] if self.head is not None else [])
         return sum(down.numel() + up.numel() for down, up in factors)
 
+    def empty_directions(self) -> int:
+        """Adapter directions the deltas leave empty (started as a LoRA does: random down, zero up)."""
+        factors = list(self.blocks.values()) + ([self.head] if self.head is not None else [])
+        return sum(int(empty_rows(down, up).sum()) for down, up in factors)
+
     def describe(self) -> Dict[str, object]:
-        return {"rank": self.rank, "linears": len(self.blocks), "head_rank": self.head_rank if self.head else 0,
-                "parameters": self.parameters, "svd": self.svd}
+        described = {"rank": self.rank, "linears": len(self.blocks), "head_rank": self.head_rank if self.head else 0,
+                     "parameters": self.parameters, "svd": self.svd, "empty_directions": self.empty_directions()}
+        moved = {f"{index}.{path}": bias for (index, path), bias in self.biases.items() if bool(bias.any())}
+        if moved:  # said, not dropped silently: the adapters cannot carry a bias
+            described["bias_deltas_not_carried"] = {
+                "linears": len(moved), "largest_abs": float(max(float(b.abs().max()) for b in moved.values())),
+                "note": "the expert's bias deltas on the adapted linears; block adapters have no bias"}
+        return described
+
+
+def empty_rows(down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Per direction of a factor pair: True where both its row of ``down`` and column of ``up`` are zero."""
+    return (down == 0).all(dim=1) & (up == 0).all(dim=0)
+
+
+def head_weight(weights: SafetensorsWeights) -> torch.Tensor:
+    """The LM head as stored: ``lm_head.weight``, or the input embedding of a model that ties them."""
+    return weights.read("lm_head.weight" if weights.names_ending("lm_head.weight") else "embed_tokens.weight")
 
 
 def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_rank: int,
-                  expert_head: Optional[torch.Tensor], merged_head: Optional[torch.Tensor],
                   device: torch.device = torch.device("cpu"), progress: bool = False,
                   desc: str = "weight deltas") -> DomainDeltas:
     """The SVD start of every linear in ``targets`` (``blocks.block_linear_targets``: {layer: {path:
-    (in, out)}}) at ``rank``, and of the head at ``head_rank`` (0: none), expert minus merge."""
+    (in, out)}}) at ``rank``, and of the head at ``head_rank`` (0: none), expert minus merge, every
+    tensor read from the files and subtracted in float32 (the LM heads too: not the capture's cast)."""
     merged, expert = SafetensorsWeights(merged_dir), SafetensorsWeights(expert_dir)
     deltas = DomainDeltas(rank=rank, head_rank=head_rank)
     linears = [(index, path, shape) for index, paths in (targets or {}).items() for path, shape in paths.items()]
@@ -94,18 +128,123 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
         if min(delta.shape) > EXACT_SVD_MAX and device.type != "cuda":
             deltas.svd = "randomized"
         deltas.blocks[(index, path)] = low_rank_factors(delta, rank, device)
-    if head_rank > 0 and expert_head is not None and merged_head is not None:
-        deltas.head = low_rank_factors(expert_head.float() - merged_head.float(), head_rank, device)
+        bias = f"layers.{index}.{path}.bias"
+        if merged.names_ending(bias):
+            deltas.biases[(index, path)] = expert.read(bias).float() - merged.read(bias).float()
+    if head_rank > 0:
+        expert_head, merged_head = head_weight(expert).float(), head_weight(merged).float()
+        if expert_head.shape != merged_head.shape:
+            raise FormatError(f"{expert_dir}: its LM head is {tuple(expert_head.shape)}, the merge's "
+                              f"{tuple(merged_head.shape)}")
+        deltas.head = low_rank_factors(expert_head - merged_head, head_rank, device)
     return deltas
+
+
+def _entry_shapes(targets, rank: int, head_rank: int, head_shape, biased) -> Dict[str, tuple]:
+    shapes = {}
+    for index, paths in (targets or {}).items():
+        for path, (in_features, out_features) in paths.items():
+            shapes[f"blocks.{index}.{path}.down"] = ((rank, in_features), torch.float32)
+            shapes[f"blocks.{index}.{path}.up"] = ((out_features, rank), torch.float32)
+            if (index, path) in biased:
+                shapes[f"blocks.{index}.{path}.bias"] = ((out_features,), torch.float32)
+    if head_rank > 0:
+        shapes["head.down"] = ((head_rank, head_shape[1]), torch.float32)
+        shapes["head.up"] = ((head_shape[0], head_rank), torch.float32)
+    return shapes
+
+
+def cached_domain_deltas(cache_dir: Optional[str], merged_dir: str, expert_dir: str, targets, rank: int,
+                         head_rank: int, device: torch.device = torch.device("cpu"), progress: bool = False,
+                         desc: str = "weight deltas") -> DomainDeltas:
+    """``domain_deltas`` through the capture cache (capture/cache.py), keyed by both models' contents
+    (their file hashes are memoized, so a re-run on an unchanged merge opens no expert weight file),
+    the adapted linears, the ranks and where the SVD runs (exact on a GPU, maybe randomized on a CPU)."""
+    from mergekit_darts.repair.capture.cache import CaptureCache, cache_key, model_identity
+
+    cache = CaptureCache(cache_dir)
+    identity = {"merged": model_identity(merged_dir, cache.hashes), "expert": model_identity(expert_dir, cache.hashes)}
+    plain_targets = {str(index): {path: list(shape) for path, shape in paths.items()}
+                     for index, paths in (targets or {}).items()}
+    key = cache_key("extract", identity, torch.float32, targets=plain_targets, rank=rank, head_rank=head_rank,
+                    svd=[device.type == "cuda", EXACT_SVD_MAX, LOWRANK_OVERSAMPLE, LOWRANK_ITERATIONS],
+                    extract_version=EXTRACT_VERSION)
+    merged = SafetensorsWeights(merged_dir)  # the merge's headers only: which linears have a bias, the head's shape
+    biased = {(index, path) for index, paths in (targets or {}).items() for path in paths
+              if merged.names_ending(f"layers.{index}.{path}.bias")}
+    head_shape = None
+    if head_rank > 0:
+        from mergekit_darts.weight_files import safetensors_header
+
+        name = merged.name_ending("lm_head.weight" if merged.names_ending("lm_head.weight") else "embed_tokens.weight")
+        head_shape = safetensors_header(merged.files[name])[name]["shape"]
+    label = f"extract.{os.path.basename(os.path.normpath(expert_dir))}"
+    entry = cache.load(label, key, _entry_shapes(targets, rank, head_rank, head_shape, biased))
+    if entry is not None:
+        deltas = DomainDeltas(rank=rank, head_rank=head_rank)
+        for index, paths in (targets or {}).items():
+            for path, (in_features, out_features) in paths.items():
+                prefix = f"blocks.{index}.{path}"
+                deltas.blocks[(index, path)] = (entry[prefix + ".down"], entry[prefix + ".up"])
+                if (index, path) in biased:
+                    deltas.biases[(index, path)] = entry[prefix + ".bias"]
+                if min(in_features, out_features) > EXACT_SVD_MAX and device.type != "cuda":
+                    deltas.svd = "randomized"
+        if head_rank > 0:
+            deltas.head = (entry["head.down"], entry["head.up"])
+        return deltas
+    deltas = domain_deltas(merged_dir, expert_dir, targets, rank, head_rank, device, progress, desc)
+    tensors = {}
+    for (index, path), (down, up) in deltas.blocks.items():
+        tensors[f"blocks.{index}.{path}.down"], tensors[f"blocks.{index}.{path}.up"] = down, up
+    for (index, path), bias in deltas.biases.items():
+        tensors[f"blocks.{index}.{path}.bias"] = bias
+    if deltas.head is not None:
+        tensors["head.down"], tensors["head.up"] = deltas.head
+    cache.save(label, key, tensors)
+    return deltas
+
+
+def extract_start(name: str, surgery, settings, tail, merged_dir: Optional[str],
+                  device: torch.device) -> Tuple[Optional[DomainDeltas], str]:
+    """The domain's truncated-SVD factors of (expert − merge) and, when there are none, why not (the
+    report's ``baseline: {"not_measured": why}``). ``adapter_init: delta`` needs them: a failure to
+    read them is the run's error. Otherwise they only measure the baseline: a failure (an expert
+    whose tensors are named or shaped unlike the merge's) leaves it unmeasured and never fails the run."""
+    from mergekit_darts.config import SurgeryConfigError
+    from mergekit_darts.repair.capture.models import resolve_model_dir
+
+    if tail is None and surgery.head_rank == 0:
+        return None, ("the data-free extract (expert − merge) needs block adapters (depth > 0) or a head "
+                      "correction (head_rank > 0)")
+    if merged_dir is None:
+        if surgery.adapter_init == "delta":
+            raise SurgeryConfigError("adapter_init: delta needs the merged model's weights (train_domain's merged_dir)")
+        return None, "the merged model's weights were not given"
+    try:
+        deltas = cached_domain_deltas(
+            surgery.cache_dir, merged_dir, resolve_model_dir(surgery.domains[name].model),
+            tail.targets if tail is not None else None, surgery.depth_rank if tail is not None else 0,
+            surgery.head_rank, device=device, progress=settings.progress, desc=f"weight deltas[{name}]")
+    except (FormatError, OSError, ValueError, RuntimeError) as error:
+        if surgery.adapter_init == "delta":
+            raise
+        return None, f"the expert's weight deltas could not be read ({error})"
+    return deltas, ""
 
 
 @torch.no_grad()
 def start_from_deltas(surgery, deltas: DomainDeltas) -> None:
-    """Copy the factors into a freshly built ``DomainSurgery`` (its final-state correction stays the identity)."""
-    for index, path, adapter in surgery.block_adapters():
-        down, up = deltas.blocks[(index, path)]
-        adapter.down.weight.copy_(down)
-        adapter.up.weight.copy_(up)
+    """Copy the factors into a freshly built ``DomainSurgery`` (its final-state correction stays the
+    identity). A direction the deltas leave empty keeps the module's own start, a LoRA's (random
+    ``down``, zero ``up``): the product is still the extract, and the direction trains — from two
+    zero factors no gradient would ever move it (a linear the expert did not change, or the
+    directions past a low-rank delta's rank)."""
+    pairs = [(adapter.down.weight, adapter.up.weight, deltas.blocks[(index, path)])
+             for index, path, adapter in surgery.block_adapters()]
     if deltas.head is not None and surgery.head_down is not None:
-        surgery.head_down.weight.copy_(deltas.head[0])
-        surgery.head_up.weight.copy_(deltas.head[1])
+        pairs.append((surgery.head_down.weight, surgery.head_up.weight, deltas.head))
+    for down, up, (start_down, start_up) in pairs:
+        filled = ~empty_rows(start_down, start_up)
+        down[filled] = start_down[filled].to(down.dtype)
+        up.copy_(start_up)

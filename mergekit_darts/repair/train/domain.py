@@ -52,7 +52,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     from mergekit_darts.repair.report.measure import bias_by_position, held_out_kl
     from mergekit_darts.repair.report.verdict import domain_verdict
     from mergekit_darts.repair.train.selection import fit, keep_better
-    from mergekit_darts.repair.train.delta_init import start_from_deltas
+    from mergekit_darts.repair.train.delta_init import extract_start, start_from_deltas
     from mergekit_darts.repair.train.tail import TailSurgery
 
     started = time.perf_counter()
@@ -74,7 +74,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         return part
 
     shape = SurgeryShape.from_config(surgery)
-    deltas = weight_deltas(name, data, merged_head, surgery, settings, tail, merged_dir, device)
+    deltas, not_measured = extract_start(name, surgery, settings, tail, merged_dir, device)
 
     def make_module(from_deltas: bool = surgery.adapter_init == "delta"):
         module = DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
@@ -157,8 +157,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
                                             merged_head, surgery, surgery.domains[name].calibration.continue_tokens,
                                             device)
     else:
-        entry["baseline"] = {"not_measured": "the data-free extract (expert − merge) needs block adapters "
-                                             "(depth > 0) or a head correction (head_rank > 0)"}
+        entry["baseline"] = {"not_measured": not_measured}
     # train_seconds + measure_seconds: the run's `train:<name>` stage (the report table says so)
     entry["measure_seconds"] = round(time.perf_counter() - started - entry["train_seconds"], 3)
     return TrainedDomain(module=module, entry=entry)
@@ -183,24 +182,6 @@ def corrected_prefixes(measured, data, with_tail: bool, device) -> Optional[torc
     with torch.no_grad():
         inputs = prefixes.block_inputs if with_tail else prefixes.merged_hidden
         return measured(inputs.float().to(device), prefixes.position_ids.to(device)).cpu()
-
-
-def weight_deltas(name, data, merged_head, surgery, settings, tail, merged_dir, device):
-    """The domain's truncated-SVD factors of (expert − merge) (``delta_init.DomainDeltas``), or None
-    when the module has nothing they could start (no depth, no head correction) or no ``merged_dir``."""
-    from mergekit_darts.repair.capture.models import resolve_model_dir
-    from mergekit_darts.repair.train.delta_init import domain_deltas
-
-    if tail is None and surgery.head_rank == 0:
-        return None
-    if merged_dir is None:
-        if surgery.adapter_init == "delta":
-            raise SurgeryConfigError("adapter_init: delta needs the merged model's weights (train_domain's merged_dir)")
-        return None
-    return domain_deltas(merged_dir, resolve_model_dir(surgery.domains[name].model),
-                         tail.targets if tail is not None else None, surgery.depth_rank if tail is not None else 0,
-                         surgery.head_rank, data.expert_head, merged_head, device=device,
-                         progress=settings.progress, desc=f"weight deltas[{name}]")
 
 
 def measure_extract(extract, deltas, data, eval_idx, held, merged_head, surgery, continue_tokens: int,
