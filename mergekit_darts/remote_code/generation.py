@@ -134,6 +134,21 @@ def plain_final_states(model, input_ids, inputs_embeds, attention_mask, position
         set_active_call(previous)
 
 
+def generation_attention_mask(model, inputs: Optional[torch.Tensor], generate_kwargs: dict) -> Optional[torch.Tensor]:
+    """The 2-D attention mask ``generate`` runs with: the caller's, else the one transformers derives from
+    the generation config's pad token (``pad_token_id`` of the call or of ``generation_config``; none when
+    pad is a stop id or absent: every token is real), computed by transformers' own code so that routing
+    up front counts exactly the tokens the prefill attends to. ``inputs``: generate's ids or embeddings."""
+    given = generate_kwargs.get("attention_mask")
+    if given is not None or inputs is None:
+        return given
+    settings = {key: value for key, value in generate_kwargs.items()
+                if not key.startswith("darts_") and key not in ("inputs", "input_ids", "inputs_embeds")}
+    config, model_kwargs = model._prepare_generation_config(settings.pop("generation_config", None), **settings)
+    model._prepare_special_tokens(config, True, device=inputs.device)  # True: generate itself warns, once
+    return model._prepare_attention_mask_for_generation(inputs, config, model_kwargs)
+
+
 def route_prompt(model, input_ids=None, inputs_embeds=None, attention_mask=None) -> torch.Tensor:
     """Each row's domain index (NONE_INDEX below the router's gate) for whole prompts [B, T], read from
     the uncorrected states the router was trained on, as an "auto" forward over them routes."""

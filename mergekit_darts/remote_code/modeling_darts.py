@@ -22,8 +22,8 @@ from transformers import (GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM
 from transformers.utils import logging
 
 from .blocks import BlockAdapter, block_linear_targets
-from .generation import (default_position_ids, pending_route, plain_final_states, prefill_route_state, route_prompt,
-                         route_step_inputs, routes_on_plain_pass, store_route_sums)
+from .generation import (default_position_ids, generation_attention_mask, pending_route, plain_final_states,
+                         prefill_route_state, route_prompt, route_step_inputs, routes_on_plain_pass, store_route_sums)
 from .hooks import AUTO_INDEX, NONE_INDEX, DartsCall, attach, resolve_route, set_active_call
 from .routing import DomainModules, DomainRouter
 from .surgery import DomainSurgery, SurgeryShape, check_darts_tensors, damaged_file_error
@@ -310,8 +310,9 @@ class DartsMixin:
                 # the whole prompt (earlier turns in a passed cache included) routed up front: every step
                 # then gets fixed rows, whatever the prefill's chunking or drafts
                 embeds = kwargs.get("inputs_embeds")
+                # without the caller's mask, the one generate derives from pad_token_id: padding never routes
                 picked = route_prompt(self, input_ids=None if embeds is not None else inputs, inputs_embeds=embeds,
-                                      attention_mask=kwargs.get("attention_mask"))
+                                      attention_mask=generation_attention_mask(self, inputs, kwargs))
                 kwargs["darts_rows"] = torch.where(kwargs["darts_rows"] == AUTO_INDEX, picked.to(device),
                                                    kwargs["darts_rows"])
             elif routed:
