@@ -17,6 +17,7 @@ from mergekit_darts.output.destination import (check_not_an_input, check_output_
                                                surgery_inputs)
 from mergekit_darts.preflight_counts import (check_continuation_room, check_selection_prompts, check_synthesis_cost,
                                              resolved_max_positions)
+from mergekit_darts.preflight_weights import check_weight_files, merged_layer_sources
 from mergekit_darts.settings import RunSettings
 
 LOG = logging.getLogger(__name__)
@@ -68,6 +69,13 @@ def _load_config(path: str, where: str, trust_remote_code: bool):
             f"{where}: cannot load a model config from {path!r} ({first_line}); give a local model "
             "directory or a Hub id that is available offline"
         ) from None
+
+
+def _layers(config) -> Optional[int]:
+    """The decoder layers a model config gives (its text config's, for a multimodal one)."""
+    layers = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                     "num_hidden_layers", None)
+    return layers if isinstance(layers, int) else None
 
 
 def _check_calibration(surgery: SurgeryConfig, seed: int) -> Dict[str, List[str]]:
@@ -339,6 +347,7 @@ def check_before_merge(surgery: SurgeryConfig, merge_config, settings: RunSettin
     # a tokenizer: / tokenizer_source: block can change the merged vocabulary: capture checks it then
     vocab_changes = tokenizer is None
     _check_experts(surgery, reference, str(base.model.path), trust_remote_code, check_vocab=not vocab_changes)
+    check_weight_files(surgery, merged_layer_sources(merge_config, str(base.model.path), _layers(reference)))
     if not vocab_changes:
         check_tokenizers(surgery, str(base.model.path), trust_remote_code, reference=tokenizer)
     return _check_texts(surgery, texts, tokenizer, template_from_merge=bool(merge_config.chat_template))
@@ -355,6 +364,9 @@ def check_surgery(surgery: SurgeryConfig, merged_config_path: str, settings: Run
     texts = _check_calibration(surgery, settings.seed)
     reference = _load_config(merged_config_path, "merged model", trust_remote_code)
     _check_experts(surgery, reference, merged_config_path, trust_remote_code)
+    layers = _layers(reference)
+    check_weight_files(surgery, [(merged_config_path, i) for i in range(layers)] if layers else None,
+                       merged_label="the merged model")
     tokenizer = check_tokenizers(surgery, merged_config_path, trust_remote_code)
     if tokenizer is None:
         raise SurgeryConfigError(f"merged model directory {merged_config_path!r}: no tokenizer can be loaded from "

@@ -1,0 +1,161 @@
+"""Issue 46 items 6 and 7: what the run reads from the experts' weight files is checked from their
+safetensors headers before the merge. An expert whose adapted linears have other shapes than the merge's
+(a raw RuntimeError after the merge and the capture) and a damaged expert file (one line without its name,
+after the merge) are one line naming the expert, the file or tensor, and what to do; a layer-stacking
+merge is compared layer by layer with the slice that produces it, not with the base's layer of that number.
+"""
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import merge_yaml
+from mergekit_darts.errors import DartsError
+
+BIN = Path(sys.executable).parent
+
+
+def _model_like(base: str, path: Path, **changes) -> str:
+    """A random model of ``base``'s config with ``changes`` (and its tokenizer), saved to ``path``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
+    for name in os.listdir(base):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(base, name), path / name)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def odd_shapes(tiny_family, tmp_path_factory):
+    """Experts of the family's hidden size and tokenizer whose linears differ, and a 3-layer one."""
+    root = tmp_path_factory.mktemp("odd-shapes")
+    base = tiny_family["base"]
+    return {"intermediate_size": _model_like(base, root / "narrow-mlp", intermediate_size=48),
+            "num_key_value_heads": _model_like(base, root / "one-kv-head", num_key_value_heads=1),
+            "three layers": _model_like(base, root / "three-layers", num_hidden_layers=3)}
+
+
+def _config(paths, expert, tmp_path, merge=None, **settings):
+    settings = {"rank": 4, "max_positions": 32, "steps": 2, "depth": 1, "adapter_init": "delta",
+                "cache_dir": str(tmp_path / "cache"), **settings}
+    lines = ["surgery:"] + [f"  {k}: {v}" for k, v in settings.items()] + [
+        "  domains:", "    math:", f"      model: {expert}",
+        "      calibration: {texts: ['what is 3 plus 4 ?', 'how many apples are left ?'], samples: 2}"]
+    return (merge or merge_yaml(paths)) + "\n".join(lines) + "\n"
+
+
+def _refused_before_merge(source: str, out) -> str:
+    from mergekit_darts.pipeline import merge_and_repair
+
+    calls = []
+    with pytest.raises(DartsError) as info:
+        merge_and_repair(source, str(out), lambda *args: calls.append(args))
+    assert calls == [], "run_merge was called before the check"
+    assert "\n" not in str(info.value) and not Path(out).exists()
+    return str(info.value)
+
+
+def _passes_the_checks(source: str):
+    from mergekit.config import MergeConfiguration
+
+    from mergekit_darts.config import parse_surgery_block, split_yaml
+    from mergekit_darts.preflight import check_before_merge
+    from mergekit_darts.settings import RunSettings
+
+    merge_part, raw = split_yaml(source)
+    surgery = parse_surgery_block(raw)
+    check_before_merge(surgery, MergeConfiguration.model_validate(merge_part), RunSettings.resolve(surgery))
+
+
+@pytest.mark.parametrize("changed, tensor, expert_shape, merged_shape", [
+    ("intermediate_size", "model.layers.1.mlp.down_proj.weight", [32, 48], [32, 64]),
+    ("num_key_value_heads", "model.layers.1.self_attn.k_proj.weight", [8, 32], [16, 32]),
+])
+@pytest.mark.parametrize("init", ["delta", "zero"])
+def test_expert_with_other_linear_shapes_is_refused_before_the_merge(tiny_family, odd_shapes, tmp_path, changed,
+                                                                     tensor, expert_shape, merged_shape, init):
+    expert = odd_shapes[changed]
+    message = _refused_before_merge(_config(tiny_family, expert, tmp_path, adapter_init=init), tmp_path / "out")
+    assert message.startswith(f"surgery.domains.math.model: expert {expert!r} has {tensor} of shape {expert_shape}, "
+                              f"but the merge's is {merged_shape} (layer 1 of {tiny_family['base']})"), message
+    assert "use a fine-tune of the merge's base model, or depth: 0" in message
+    assert ("adapter_init: delta starts" if init == "delta" else "the report's baseline") in message
+    # without block adapters nothing of those linears is read: the same expert passes
+    _passes_the_checks(_config(tiny_family, expert, tmp_path, depth=0, adapter_init="zero"))
+
+
+def test_surgery_in_place_compares_with_the_merged_directory(tiny_family, odd_shapes, merged_copy, tmp_path):
+    from mergekit_darts.pipeline import run_surgery
+
+    source = _config(tiny_family, odd_shapes["intermediate_size"], tmp_path)
+    with pytest.raises(DartsError, match=r"but the merged model's is \[32, 64\] \(layer 1 of "):
+        run_surgery(source, merged_copy)
+
+
+STACKED = """merge_method: passthrough
+dtype: float32
+slices:
+  - sources: [{{model: {base}, layer_range: [0, 2]}}]
+  - sources: [{{model: {base}, layer_range: [1, 2]}}]
+"""
+
+
+def test_a_layer_stacking_merge_is_compared_with_the_slice_that_makes_each_layer(tiny_family, odd_shapes, tmp_path):
+    """The stacked merge has 3 layers; its layer 2 is the base's layer 1 (the base has no layer 2)."""
+    stacked = STACKED.format(base=tiny_family["base"])
+    _passes_the_checks(_config(tiny_family, odd_shapes["three layers"], tmp_path, merge=stacked, depth=1))
+    message = _refused_before_merge(_config(tiny_family, tiny_family["math"], tmp_path, merge=stacked, depth=1),
+                                    tmp_path / "out")
+    assert "has no tensor '*layers.2.mlp.down_proj.weight' (the merge's decoder layer 2, depth 1)" in message, message
+
+
+def _damage(path: Path, kind: str) -> None:
+    data = bytearray(path.read_bytes())
+    if kind == "bad length field":
+        data[:8] = struct.pack("<Q", 1 << 60)
+    elif kind == "bad JSON header":
+        data[8] = ord("x")  # the header's opening brace
+    else:  # truncated: the last tensor's data cut short
+        del data[-100:]
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_expert_file_is_one_line_naming_it_before_the_merge(tiny_family, tmp_path):
+    """Through the real mergekit-yaml, side by side: exit non-zero, one Error line with the file's path, the
+    output folder (an earlier result) untouched, no staging folder left."""
+    env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_DARTS_DISABLE"}
+    expected = {"bad length field": "header length field says 1152921504606846976 bytes, past the end of the file",
+                "bad JSON header": "its header is not valid JSON", "truncated": "it is truncated"}
+    running = {}
+    for kind in expected:
+        name = kind.replace(" ", "-")
+        expert = Path(shutil.copytree(tiny_family["math"], tmp_path / f"expert-{name}"))
+        _damage(expert / "model.safetensors", kind)
+        cfg = tmp_path / f"{name}.yml"
+        cfg.write_text(_config(tiny_family, expert, tmp_path, depth=0, adapter_init="zero"))
+        out = tmp_path / "runs" / name / "out"
+        out.mkdir(parents=True)
+        (out / "earlier.txt").write_text("an earlier result")
+        running[kind] = (expert / "model.safetensors", out, subprocess.Popen(
+            [str(BIN / "mergekit-yaml"), str(cfg), str(out)], cwd=tmp_path, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env={**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}))
+    for kind, (damaged, out, process) in running.items():
+        _, stderr = process.communicate(timeout=600)
+        errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+        assert process.returncode != 0 and len(errors) == 1, (kind, stderr[-2000:])
+        assert errors[0].startswith(f"Error: surgery.domains.math.model: expert '{damaged.parent}': weight file "
+                                    f"{damaged} is damaged: ") and expected[kind] in errors[0], (kind, errors)
+        assert "Traceback" not in stderr and "merge written" not in stderr, kind
+        assert os.listdir(out) == ["earlier.txt"] and (out / "earlier.txt").read_text() == "an earlier result"
+        assert os.listdir(out.parent) == ["out"], kind  # no .darts-staging-* folder beside it
