@@ -185,3 +185,32 @@ def test_the_synthesize_writer_is_named_in_the_warning(caplog):
                            special_ids={BOS, EOS, PAD}, desc="test", writer=writer_name(spec))
     assert "the synthesize_writer (/models/base) wrote 0 acceptable prompt(s)" in caplog.text
     assert "the expert wrote" not in caplog.text
+
+
+def test_verdict_unit_cases():
+    """Issue 46 item 1 on hand-made entries: improved needs the behaviour figures to get no worse and
+    one of them to move; otherwise mixed / unchanged with why; a worse objective stays worse."""
+    from mergekit_darts.repair.report.verdict import choose_default, domain_verdict, verdict_note
+
+    def entry(kl, exact, top1):
+        figures = lambda i: {"exact_match": exact[i], "top1_agreement": top1[i], "first_disagreement": 1.0}
+        return {"held_out_kl": {"before": kl[0], "after": kl[1]}, "bias": {},
+                "behaviour": {"prompts": 10, "before": figures(0), "after": figures(1)}}
+
+    assert domain_verdict(entry((0.5, 0.4), (0.2, 0.3), (0.5, 0.5)), "kl")["status"] == "improved"
+    assert "why" not in domain_verdict(entry((0.5, 0.4), (0.2, 0.2), (0.5, 0.6)), "kl")
+    mixed = domain_verdict(entry((0.5, 0.4), (0.3, 0.2), (0.5, 0.6)), "kl")
+    assert mixed["status"] == "mixed" and mixed["why"] == "KL to expert improved but greedy exact match got worse (0.3 -> 0.2)"
+    assert verdict_note(mixed).count("greedy exact match") == 1  # said once, not again as a disagreeing figure
+    still = domain_verdict(entry((0.5, 0.4), (0.3, 0.3), (0.5, 0.5)), "kl")
+    assert still["status"] == "unchanged" and "no greedy decision changed" in still["why"]
+    tie = domain_verdict(entry((0.5, 0.5), (0.3, 0.3), (0.5, 0.5)), "kl")
+    assert tie["status"] == "unchanged" and tie["why"].startswith("an exact tie")
+    worse = domain_verdict(entry((0.5, 0.6), (0.3, 0.4), (0.5, 0.5)), "kl")
+    assert worse["status"] == "worse" and [d["metric"] for d in worse["disagreeing"]] == ["greedy exact match"]
+    no_behaviour = {"held_out_kl": {"before": 0.5, "after": 0.4}, "bias": {}}
+    assert domain_verdict(no_behaviour, "kl")["status"] == "improved"  # nothing measured can overrule it
+    report = {"domains": {"math": {"verdict": mixed}}}
+    assert choose_default(report, "math", allow_worse=False) == "none"
+    assert report["default_domain"]["reason"].startswith("mixed against the plain merge (KL to expert improved")
+    assert choose_default(report, "math", allow_worse=True) == "math"

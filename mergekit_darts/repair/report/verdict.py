@@ -92,7 +92,7 @@ def _overall(objective: str, label: str, before: Any, after: Any, entry: Dict[st
     moves = _behaviour_moves(entry)
     if objective != "improved" or not moves:
         return objective, ""
-    worse = [f"{m} {_short(b)} -> {_short(a)}" for m, b, a, direction in moves if direction == "worse"]
+    worse = [f"{m} got worse ({_short(b)} -> {_short(a)})" for m, b, a, direction in moves if direction == "worse"]
     if worse:
         return "mixed", f"{label} improved but {' and '.join(worse)}"
     if all(direction is None for *_, direction in moves):
@@ -132,14 +132,15 @@ def domain_verdict(entry: Dict[str, Any], loss: str) -> Dict[str, Any]:
 
 def verdict_note(verdict: Dict[str, Any]) -> str:
     """``"decided by held-out ewl1 loss; KL to expert got worse"``, or ``"decided by held-out KL to expert;
-    mixed: KL to expert improved but greedy exact match 0.6 -> 0.4"``: the verdict's basis, one phrase."""
+    mixed: KL to expert improved but greedy exact match got worse (0.6 -> 0.4)"``: the verdict's basis, one phrase."""
     if not verdict:
         return ""
     note = f"decided by {verdict.get('decided_by', verdict.get('metric', '?'))}"
     if verdict.get("why"):  # why a measured objective did not make it "improved"
         note += f"; {verdict['status']}: {verdict['why']}"
     for other in verdict.get("disagreeing") or ():
-        note += f"; {other['metric']} got {'worse' if other['status'] == 'worse' else 'better'}"
+        if other["metric"] not in verdict.get("why", ""):  # said already
+            note += f"; {other['metric']} got {'worse' if other['status'] == 'worse' else 'better'}"
     return note
 
 
