@@ -9,6 +9,9 @@ import click
 
 DROP_HELP = ("Fold a method: darts correction without its per-position bias table (it cannot be folded); "
              "prints the held-out KL to the expert with and without the table.")
+DROP_FINAL_HELP = ("Export without the final-state correction (its ReLU content and position table have no weight "
+                   "form; preset: best): only the block adapters and the head correction, exactly. Prints what is "
+                   "dropped and, when training measured it, the held-out KL to the expert with and without it.")
 
 
 def _kl_lines(domain: str, kl) -> list:
@@ -26,23 +29,31 @@ def _kl_lines(domain: str, kl) -> list:
 @click.argument("dest", metavar="DEST")
 @click.option("--domain", required=True, help="The domain whose correction is folded into the LM head.")
 @click.option("--drop-position-bias", is_flag=True, help=DROP_HELP)
-def bake_command(out_path: str, dest: str, domain: str, drop_position_bias: bool):
-    """Write DEST: the merge in OUT_PATH as a plain model with DOMAIN's correction folded into its LM head.
+@click.option("--drop-final-state-correction", "drop_final_state", is_flag=True, help=DROP_FINAL_HELP)
+def bake_command(out_path: str, dest: str, domain: str, drop_position_bias: bool, drop_final_state: bool):
+    """Write DEST: the merge in OUT_PATH as a plain model with DOMAIN's correction folded into its LM head
+    (and, with depth, its block adapters into their linears).
 
     \b
-    OUT_PATH  a repaired directory trained with `content: linear`
+    OUT_PATH  a repaired directory trained with `content: linear` (or any, with --drop-final-state-correction)
     DEST      a new directory (loads without trust_remote_code: vLLM, llama.cpp/GGUF conversion, ...)
     """
     from mergekit_darts.output.bake import bake
     from mergekit_darts.output.check import check_output_dir
+    from mergekit_darts.output.dropped import dropped_lines
 
     check_output_dir(out_path)
-    summary = bake(out_path, domain, dest, drop_position_bias=drop_position_bias)
-    if summary["dropped_position_bias"]:
+    summary = bake(out_path, domain, dest, drop_position_bias=drop_position_bias, drop_final_state=drop_final_state)
+    if summary["dropped_final_state"]:
+        for line in dropped_lines(domain, summary["shape"], summary["hidden_size"], summary["block_linears"],
+                                  summary["head_rank"] > 0, summary["held_out_kl"]):
+            click.echo(line)
+    elif summary["dropped_position_bias"]:
         for line in _kl_lines(domain, summary["held_out_kl"]):
             click.echo(line)
-    click.echo(f"Baked domain {domain!r} into {dest} (lm_head from {summary['head_source']}, "
-               f"rank {summary['rank']} + head rank {summary['head_rank']})")
+    folded = [f"lm_head from {summary['head_source']}"] if summary["head_source"] else ["lm_head unchanged"]
+    folded += [f"{summary['block_linears']} block linears"] if summary["block_linears"] else []
+    click.echo(f"Baked domain {domain!r} into {dest} ({', '.join(folded)})")
 
 
 @click.command("export-peft")
@@ -50,31 +61,41 @@ def bake_command(out_path: str, dest: str, domain: str, drop_position_bias: bool
 @click.argument("dest", metavar="DEST")
 @click.option("--domain", "domains", multiple=True, help="Export only this domain (repeatable; default: all).")
 @click.option("--drop-position-bias", is_flag=True, help=DROP_HELP)
+@click.option("--drop-final-state-correction", "drop_final_state", is_flag=True, help=DROP_FINAL_HELP)
 @click.option("--copy-base", is_flag=True,
               help="Copy the merged weights into DEST/base-model instead of hard-linking them to OUT_PATH's.")
-def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: bool, copy_base: bool):
+def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: bool, drop_final_state: bool,
+                        copy_base: bool):
     """Write DEST/<domain>/: one PEFT LoRA adapter on lm_head per domain, and DEST/base-model/: the
     plain merge they sit on (plain config, own lm_head when tied; weights hard-linked from OUT_PATH).
 
     \b
-    OUT_PATH  a repaired directory trained with `content: linear` (left unchanged)
+    OUT_PATH  a repaired directory (left unchanged) trained with `content: linear`, or any one with
+              block adapters or a head correction (preset: best) with --drop-final-state-correction
     DEST      a new directory; load with PeftModel.from_pretrained(base, "DEST/<domain>"), where
               base = AutoModelForCausalLM.from_pretrained("DEST/base-model"), or with
               AutoPeftModelForCausalLM.from_pretrained("DEST/<domain>")
     """
-    from mergekit_darts.output.bake import held_out_kl_note
     from mergekit_darts.output.check import check_output_dir
+    from mergekit_darts.output.dropped import dropped_lines
     from mergekit_darts.output.peft_export import BASE_DIR, export_peft
 
     check_output_dir(out_path)
     summaries = export_peft(out_path, dest, list(domains) or None, drop_position_bias=drop_position_bias,
-                            copy_base=copy_base)
+                            copy_base=copy_base, drop_final_state=drop_final_state)
     base = summaries.pop(BASE_DIR)
     files = ", ".join(f"{len(base[key])} {key}" for key in ("linked", "copied", "written") if base[key])
     click.echo(f"{BASE_DIR}: plain {base['architecture']}{' with an untied lm_head' if base['untied_head'] else ''} "
                f"-> {os.path.join(dest, BASE_DIR)} (weight files: {files})")
     for name, summary in summaries.items():
-        if summary["dropped_position_bias"]:
-            for line in _kl_lines(name, held_out_kl_note(out_path, name)):
+        if summary["dropped_final_state"]:
+            for line in dropped_lines(name, summary["shape"], summary["hidden_size"], summary["block_modules"],
+                                      summary["rank"] > 0, summary["held_out_kl"]):
                 click.echo(line)
-        click.echo(f"{name}: LoRA rank {summary['rank']} on lm_head -> {os.path.join(dest, name)}")
+        elif summary["dropped_position_bias"]:
+            for line in _kl_lines(name, summary["held_out_kl"]):
+                click.echo(line)
+        targets = [f"rank {summary['rank']} on lm_head"] if summary["rank"] else []
+        targets += [f"rank {summary['shape'].depth_rank} on {summary['block_modules']} block linears"] if summary[
+            "block_modules"] else []
+        click.echo(f"{name}: LoRA {' + '.join(targets)} -> {os.path.join(dest, name)}")

@@ -1,9 +1,12 @@
-"""Fold one domain's linear correction into the LM head: a plain model directory (``mergekit-darts bake``).
+"""Fold one domain's correction into the weights: a plain model directory (``mergekit-darts bake``).
 
 With ``content: linear`` the corrected state is ``ĥ = (I − U·D)·h`` and the logits are
 ``W·ĥ + H_u·H_d·ĥ``, so a domain's whole correction is one matrix: ``W' = (W + H_u·H_d)·(I − U·D)``
 (U = up.weight, D = down.weight, H_u/H_d = head_up/head_down.weight). The per-position bias table
-adds a position-dependent term and cannot be folded; a ReLU content correction is not linear.
+adds a position-dependent term and cannot be folded; a ReLU content correction is not linear. Both are
+the *final-state correction*: ``--drop-final-state-correction`` drops it whole (``output/dropped.py``
+says what that leaves out), so the head becomes ``W + H_u·H_d``. Block adapters (``depth``,
+``y = W·x + A_up·A_down·x``) fold exactly into their linears: ``W + A_up·A_down``.
 
 The baked directory is the merge's own architecture: no ``auto_map``, no ``darts`` entry, no remote
 code. Tensors are streamed one at a time from the merged shards (``safe_open``) into new safetensors
@@ -23,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from mergekit_darts.errors import FoldError, FormatError
-from mergekit_darts.output import card, layout
+from mergekit_darts.output import card, dropped, layout
 from mergekit_darts.output.layout import DARTS_SHARD, INDEX, SINGLE_WEIGHTS
 from mergekit_darts.remote_code.surgery import SurgeryShape
 
@@ -48,25 +51,30 @@ class DomainFold:
     head_up: Optional[torch.Tensor]  # H_u: vocab × head_rank
     head_down: Optional[torch.Tensor]  # H_d: head_rank × hidden
     dropped_position_bias: bool
-    # depth > 0 (export-peft only): {"<layer>.<path in the block>": (down [r × in], up [out × r])}
+    # depth > 0: {"<layer>.<path in the block>": (down [r × in], up [out × r])}
     blocks: Optional[Dict[str, tuple]] = None
+    dropped_final_state: bool = False  # up/down are then None: the head keeps only H_u·H_d
+
+    @property
+    def changes_head(self) -> bool:
+        return self.up is not None or self.head_up is not None
 
 
 def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False,
-                     with_blocks: bool = False) -> DomainFold:
-    """Read ``domain``'s tensors from ``out_dir`` after checking that they fold exactly.
-    ``with_blocks``: a depth output's block adapters are read too (they are LoRAs already, which PEFT
-    can carry but an LM head cannot absorb)."""
+                     drop_final_state: bool = False) -> DomainFold:
+    """Read ``domain``'s tensors from ``out_dir`` after checking that they fold exactly (a depth
+    output's block adapters included); ``drop_final_state``: without the final-state correction."""
     meta = layout.read_darts_entry(out_dir)
     shape = SurgeryShape.from_meta(meta)
     domains = list(meta.get("domains") or {})
     if domain not in domains:
         raise FoldError(f"--domain: unknown domain {domain!r}; {out_dir} has {', '.join(domains) or 'none'}")
-    check_foldable(shape, drop_position_bias, with_blocks)
+    check_foldable(shape, drop_position_bias, drop_final_state)
     shard = os.path.join(out_dir, DARTS_SHARD)
     if not os.path.isfile(shard):
         raise FormatError(f"{out_dir}: no {DARTS_SHARD}; the surgery export is incomplete")
-    names = ["up.weight", "down.weight"] + (["head_up.weight", "head_down.weight"] if shape.head_rank else [])
+    names = ([] if drop_final_state else ["up.weight", "down.weight"]) + (
+        ["head_up.weight", "head_down.weight"] if shape.head_rank else [])
     tensors = {}
     with safe_open(shard, framework="pt") as handle:
         available = set(handle.keys())
@@ -76,9 +84,10 @@ def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False
                 raise FormatError(f"{shard}: missing tensor {key}")
             tensors[name] = handle.get_tensor(key).float()
         blocks = _block_factors(handle, available, domain, shard) if shape.depth else None
-    return DomainFold(domain=domain, shape=shape, up=tensors["up.weight"], down=tensors["down.weight"],
+    return DomainFold(domain=domain, shape=shape, up=tensors.get("up.weight"), down=tensors.get("down.weight"),
                       head_up=tensors.get("head_up.weight"), head_down=tensors.get("head_down.weight"),
-                      dropped_position_bias=shape.method == "darts", blocks=blocks)
+                      dropped_position_bias=shape.method == "darts", blocks=blocks,
+                      dropped_final_state=drop_final_state)
 
 
 def _block_factors(handle, available, domain: str, shard: str) -> Dict[str, tuple]:
@@ -96,19 +105,25 @@ def _block_factors(handle, available, domain: str, shard: str) -> Dict[str, tupl
     return factors
 
 
-def check_foldable(shape: SurgeryShape, drop_position_bias: bool, allow_depth: bool = False) -> None:
-    """Every reason the correction cannot be folded into the LM head, in one error (so a retrain that
+def check_foldable(shape: SurgeryShape, drop_position_bias: bool, drop_final_state: bool = False) -> None:
+    """Every reason the correction cannot be folded into weights, in one error (so a retrain that
     fixes one reason does not meet the next only then)."""
+    if drop_final_state:
+        if not shape.depth and not shape.head_rank:
+            raise FoldError(
+                "--drop-final-state-correction: this output has no block adapters (depth: 0) and no head correction "
+                "(head_rank: 0), so nothing would remain; export it without the flag (content: linear) or serve it "
+                "with trust_remote_code")
+        return
     reasons = []
-    if shape.depth and not allow_depth:
-        reasons.append(
-            f"depth: {shape.depth} — adapters inside decoder blocks change the blocks, not the LM head, and cannot "
-            "be folded into it; use `mergekit-darts export-peft` (a PEFT LoRA carries them), serve the directory "
-            "with trust_remote_code, or retrain with depth: 0")
+    rest = [f"the block adapters (depth: {shape.depth})"] if shape.depth else []
+    rest += [f"the head correction (head_rank: {shape.head_rank})"] if shape.head_rank else []
+    keep = (f"pass --drop-final-state-correction to export {' and '.join(rest)} without it (the command says what "
+            "is dropped), " if rest else "")
     if shape.content != "linear":
         reasons.append(
-            f"content: {shape.content!r} — a ReLU content correction is not linear and cannot be folded into the "
-            "LM head; retrain with `content: linear` in the surgery: block")
+            f"content: {shape.content!r} — a ReLU content correction is not linear and has no weight form; "
+            f"{keep}retrain with `content: linear` in the surgery: block, or serve the directory with trust_remote_code")
     if shape.method == "darts" and not drop_position_bias:
         reasons.append(
             "method: 'darts' — its per-position bias table cannot be folded into the LM head; pass "
@@ -140,15 +155,40 @@ def read_merged_tensor(out_dir: str, name: str) -> torch.Tensor:
 
 @torch.no_grad()
 def folded_head(head: torch.Tensor, fold: DomainFold) -> torch.Tensor:
-    """``W' = (W + H_u·H_d)·(I − U·D)`` in float64, cast to the head's dtype, ``ROW_CHUNK`` rows at a time."""
-    up, down = fold.up.double(), fold.down.double()
+    """``W' = (W + H_u·H_d)·(I − U·D)`` (without the final-state correction: ``W + H_u·H_d``) in float64,
+    cast to the head's dtype, ``ROW_CHUNK`` rows at a time."""
     out = torch.empty_like(head)
     for start in range(0, head.shape[0], ROW_CHUNK):
         rows = head[start:start + ROW_CHUNK].double()
         if fold.head_up is not None:
             rows = rows + fold.head_up[start:start + ROW_CHUNK].double() @ fold.head_down.double()
-        out[start:start + ROW_CHUNK] = (rows - (rows @ up) @ down).to(head.dtype)
+        if fold.up is not None:
+            rows = rows - (rows @ fold.up.double()) @ fold.down.double()
+        out[start:start + ROW_CHUNK] = rows.to(head.dtype)
     return out
+
+
+def block_weight_name(name: str) -> str:
+    """The merged weight of the linear that block adapter ``<layer>.<path>`` sits on."""
+    return f"model.layers.{name}.weight"
+
+
+@torch.no_grad()
+def folded_block_weights(out_dir: str, fold: DomainFold) -> Dict[str, torch.Tensor]:
+    """Every adapted linear's ``W + A_up·A_down`` (float64, cast to W's dtype): the adapter folded in."""
+    names = layout.merged_weight_map(out_dir)
+    folded = {}
+    for name, (down, up) in sorted((fold.blocks or {}).items()):
+        key = block_weight_name(name)
+        if key not in names:
+            raise FormatError(f"{out_dir}: the block adapter {name} of domain {fold.domain!r} has no merged weight "
+                              f"{key} to fold into")
+        weight = read_merged_tensor(out_dir, key)
+        if tuple(weight.shape) != (up.shape[0], down.shape[1]):
+            raise FormatError(f"{out_dir}: {key} is {tuple(weight.shape)}, its adapter is "
+                              f"{up.shape[0]} × {down.shape[1]}")
+        folded[key] = (weight.double() + up.double() @ down.double()).to(weight.dtype)
+    return folded
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -260,31 +300,37 @@ def held_out_kl_note(out_dir: str, domain: str) -> Optional[dict]:
     return (layout.read_json(path).get("domains", {}).get(domain) or {}).get("held_out_kl")
 
 
-def bake(out_dir: str, domain: str, dest: str, drop_position_bias: bool = False) -> dict:
-    """Write ``dest``: the merge of ``out_dir`` with ``domain``'s correction folded into its LM head.
-    Returns a summary (domain, head source, whether the position table was dropped, held-out KL)."""
-    fold = load_domain_fold(out_dir, domain, drop_position_bias)
+def bake(out_dir: str, domain: str, dest: str, drop_position_bias: bool = False,
+         drop_final_state: bool = False) -> dict:
+    """Write ``dest``: the merge of ``out_dir`` with ``domain``'s correction folded into its LM head and,
+    with depth, its block adapters into their linears. Returns a summary (domain, head source, what was
+    dropped, held-out KL)."""
+    fold = load_domain_fold(out_dir, domain, drop_position_bias, drop_final_state)
     if os.path.exists(dest):
         raise FoldError(f"DEST: {os.path.abspath(dest)} already exists; choose a new directory (nothing was overwritten)")
     config = layout.read_config(out_dir)
     source = merged_head_source(out_dir, config)
-    head = read_merged_tensor(out_dir, source)
-    new_head = folded_head(head, fold)
-    del head
+    new_head = folded_head(read_merged_tensor(out_dir, source), fold) if fold.changes_head else None
+    replace = {**folded_block_weights(out_dir, fold), **({HEAD_KEY: new_head} if new_head is not None else {})}
     meta = layout.read_darts_entry(out_dir)
     kl = held_out_kl_note(out_dir, domain)
-    summary = {"domain": domain, "head_source": source, "dropped_position_bias": fold.dropped_position_bias,
-               "rank": fold.shape.rank, "head_rank": fold.shape.head_rank, "held_out_kl": kl,
-               "expert": (meta.get("domains") or {}).get(domain)}
+    summary = {"domain": domain, "head_source": source if new_head is not None else None,
+               "dropped_position_bias": fold.dropped_position_bias, "dropped_final_state": fold.dropped_final_state,
+               "rank": fold.shape.rank, "head_rank": fold.shape.head_rank, "block_linears": len(fold.blocks or {}),
+               "held_out_kl": kl, "expert": (meta.get("domains") or {}).get(domain), "shape": fold.shape,
+               "hidden_size": config.get("hidden_size")}
 
     def write(stage):
-        write_weights(out_dir, stage, {HEAD_KEY: new_head})
+        write_weights(out_dir, stage, replace)
         plain = layout.plain_config(config)
-        plain["tie_word_embeddings"] = False  # the folded head is domain-specific; the input embeddings are not
+        if new_head is not None:  # the folded head is domain-specific; the input embeddings are not
+            plain["tie_word_embeddings"] = False
         layout.write_json(os.path.join(stage, "config.json"), plain)
         copy_plain_files(out_dir, stage)
         with open(os.path.join(stage, layout.CARD), "w", encoding="utf-8") as handle:
-            handle.write(card.updated_card(out_dir, card.baked_section(summary, meta)))
+            plain_fold = not fold.dropped_final_state and not fold.blocks  # the head-only fold card.py describes
+            section = (card.baked_section if plain_fold else dropped.baked_section)(summary, meta)
+            handle.write(card.updated_card(out_dir, section))
 
     staged_directory(dest, write)
     return summary

@@ -19,6 +19,11 @@ A ``depth: k`` output's block adapters (``y + up(down(x))`` on the last k blocks
 already: they go into the same adapter as ``model.layers.<i>.<path>`` targets (scaling 1, their rank
 in ``r``, the head's in ``rank_pattern``), so PEFT — or a server that loads PEFT LoRAs on those
 projections — reproduces the domain without remote code.
+
+``preset: best`` (ReLU content, position table, every block) has a final-state correction with no
+weight form: ``drop_final_state`` (``--drop-final-state-correction``) exports the rest — the block
+adapters and ``H_u·H_d`` on ``lm_head`` (B = H_u, A = H_d; no ``lm_head`` target at head_rank 0) — and
+each adapter's README.md says what was dropped (``output/dropped.py``).
 """
 
 import os
@@ -28,9 +33,10 @@ import torch
 from safetensors.torch import save_file
 
 from mergekit_darts.errors import FoldError
-from mergekit_darts.output import layout
+from mergekit_darts.output import dropped, layout
 from mergekit_darts.output.bake import (
-    ROW_CHUNK, DomainFold, load_domain_fold, merged_head_source, read_merged_tensor, staged_directory,
+    ROW_CHUNK, DomainFold, held_out_kl_note, load_domain_fold, merged_head_source, read_merged_tensor,
+    staged_directory,
 )
 from mergekit_darts.output.plain_base import write_plain_base
 
@@ -46,9 +52,10 @@ BASE_DIR = "base-model"
 
 @torch.no_grad()
 def lora_factors(head: torch.Tensor, fold: DomainFold):
-    """(B [vocab × r], A [r × hidden]) in float32 with ``B·A = W' − W``, computed in float64."""
-    up, down = fold.up.double(), fold.down.double()
-    a_parts = ([fold.head_down.double()] if fold.head_up is not None else []) + [down]
+    """(B [vocab × r], A [r × hidden]) in float32 with ``B·A = W' − W``, computed in float64
+    (without the final-state correction ``W' − W = H_u·H_d``)."""
+    a_parts = ([fold.head_down.double()] if fold.head_up is not None else []) + (
+        [fold.down.double()] if fold.up is not None else [])
     lora_a = torch.cat(a_parts, dim=0)
     rank = lora_a.shape[0]
     lora_b = torch.empty(head.shape[0], rank, dtype=torch.float32)
@@ -59,7 +66,8 @@ def lora_factors(head: torch.Tensor, fold: DomainFold):
             head_up = fold.head_up[start:start + ROW_CHUNK].double()
             rows = rows + head_up @ fold.head_down.double()
             parts.append(head_up)
-        parts.append(-(rows @ up))
+        if fold.up is not None:
+            parts.append(-(rows @ fold.up.double()))
         lora_b[start:start + ROW_CHUNK] = torch.cat(parts, dim=1).float()
     return lora_b, lora_a.float()
 
@@ -78,10 +86,12 @@ def block_lora_tensors(fold: DomainFold) -> Dict[str, torch.Tensor]:
 def adapter_config(base_model: str, rank: int, block_modules: Sequence[str] = (), block_rank: int = 0) -> dict:
     """PEFT's adapter_config.json for a LoRA on ``lm_head`` with scaling 1 (keys PEFT 0.21 writes;
     absent optional keys take PEFT's defaults). ``block_modules`` (depth outputs): full module names
-    inside the decoder that carry rank-``block_rank`` LoRAs, also with scaling 1."""
+    inside the decoder that carry rank-``block_rank`` LoRAs, also with scaling 1. ``rank`` 0: no
+    ``lm_head`` target (block adapters only)."""
     patterns = {}
+    head = ["lm_head"] if rank else []
     if block_modules:  # r / lora_alpha are the blocks'; the head's own rank goes in the patterns
-        patterns = {"lm_head": rank}
+        patterns = {"lm_head": rank} if rank else {}
         rank = block_rank
     return {
         "peft_type": "LORA",
@@ -95,7 +105,7 @@ def adapter_config(base_model: str, rank: int, block_modules: Sequence[str] = ()
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
-        "target_modules": ["lm_head", *block_modules],
+        "target_modules": [*head, *block_modules],
         "modules_to_save": None,
         "init_lora_weights": True,
         "inference_mode": True,
@@ -108,37 +118,47 @@ def adapter_config(base_model: str, rank: int, block_modules: Sequence[str] = ()
 
 
 def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
-                drop_position_bias: bool = False, copy_base: bool = False) -> Dict[str, dict]:
+                drop_position_bias: bool = False, copy_base: bool = False,
+                drop_final_state: bool = False) -> Dict[str, dict]:
     """Write ``dest/<domain>/`` adapters for ``domains`` (default: all) and their plain base
     ``dest/base-model/`` (weights hard-linked from ``out_dir``, or copied with ``copy_base``);
     returns {domain: summary, ..., "base-model": the base's summary}."""
     meta = layout.read_darts_entry(out_dir)
     known = list(meta.get("domains") or {})
     domains = list(domains or known)
-    folds = [load_domain_fold(out_dir, name, drop_position_bias, with_blocks=True)  # all checked first
+    folds = [load_domain_fold(out_dir, name, drop_position_bias, drop_final_state)  # all checked first
              for name in domains]
     if os.path.exists(dest):
         raise FoldError(f"DEST: {os.path.abspath(dest)} already exists; choose a new directory (nothing was overwritten)")
     config = layout.read_config(out_dir)
     layout.plain_architecture(config)  # a FormatError now for an architecture the emitted classes lack
     head = read_merged_tensor(out_dir, merged_head_source(out_dir, config))
+    hidden = config.get("hidden_size")
     summaries = {}
     base_path = os.path.join(os.path.abspath(dest), BASE_DIR)  # where the base is once staged in
 
     def write(stage):
         base = write_plain_base(out_dir, os.path.join(stage, BASE_DIR), copy=copy_base)
         for fold in folds:
-            lora_b, lora_a = lora_factors(head, fold)
+            tensors = block_lora_tensors(fold)
+            rank = 0
+            if fold.changes_head:
+                lora_b, lora_a = lora_factors(head, fold)
+                tensors.update({LORA_A_KEY: lora_a.contiguous(), LORA_B_KEY: lora_b.contiguous()})
+                rank = lora_a.shape[0]
             folder = os.path.join(stage, fold.domain)
             os.makedirs(folder)
-            blocks = block_lora_tensors(fold)
-            save_file({LORA_A_KEY: lora_a.contiguous(), LORA_B_KEY: lora_b.contiguous(), **blocks},
-                      os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            save_file(tensors, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
             block_modules = [f"model.layers.{name}" for name in sorted(fold.blocks or {})]
             layout.write_json(os.path.join(folder, ADAPTER_CONFIG),
-                              adapter_config(base_path, lora_a.shape[0], block_modules, fold.shape.depth_rank))
-            summaries[fold.domain] = {"rank": lora_a.shape[0], "dropped_position_bias": fold.dropped_position_bias,
-                                      "block_modules": len(block_modules)}
+                              adapter_config(base_path, rank, block_modules, fold.shape.depth_rank))
+            kl = held_out_kl_note(out_dir, fold.domain)
+            with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as handle:
+                handle.write(dropped.adapter_readme(fold.domain, fold.shape, hidden, len(block_modules), rank,
+                                                    fold.dropped_final_state, fold.dropped_position_bias, kl))
+            summaries[fold.domain] = {"rank": rank, "dropped_position_bias": fold.dropped_position_bias,
+                                      "dropped_final_state": fold.dropped_final_state, "shape": fold.shape,
+                                      "hidden_size": hidden, "held_out_kl": kl, "block_modules": len(block_modules)}
         summaries[BASE_DIR] = base
 
     staged_directory(dest, write)
