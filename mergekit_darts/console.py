@@ -13,7 +13,8 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Iterator, List, Optional, TextIO
+import time
+from typing import Iterable, Iterator, List, Optional, TextIO
 
 LOGGER = "mergekit_darts"
 
@@ -192,3 +193,89 @@ def pack(items: List[str], width: int = WIDTH, first: str = "", indent: str = " 
         line += piece
     lines.append(line.rstrip())
     return lines
+
+
+# --- progress of long stages ------------------------------------------------------------------------
+
+# A log file (stderr not a terminal) gets no tqdm bars, whose \r updates flood it; a stage that runs
+# longer than this instead prints one line this often, so a long wait is never silent. A stage that
+# ends sooner prints nothing.
+PROGRESS_EVERY_S = 5.0
+
+
+class ProgressLines:
+    """A progress bar's stand-in for a log file: ``update(n)`` prints ``mergekit-darts: DESC: done/total
+    UNIT, N s`` at most once every ``every`` seconds (the first after ``every`` seconds), and ``close()``
+    the count reached, marked ``(done)``, when any line was printed and the last one did not show it
+    already. tqdm's ``update``/``set_postfix``/``close`` interface, so a call site holds either."""
+
+    def __init__(self, total: Optional[int], desc: str, unit: str = "it", every: Optional[float] = None,
+                 stream: Optional[TextIO] = None):
+        self.total, self.desc, self.unit = total, desc, unit
+        self.every = PROGRESS_EVERY_S if every is None else every
+        self.stream = stream  # None: sys.stderr when a line is printed (whatever it is then)
+        self.done, self.shown, self.postfix = 0, None, ""  # shown: the count the last line printed
+        self.start = self.last = time.monotonic()
+
+    def _line(self, now: float, final: bool = False) -> None:
+        count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
+        extra = f", {self.postfix}" if self.postfix else ""
+        done = " (done)" if final or (self.total and self.done >= self.total) else ""
+        print(f"mergekit-darts: {self.desc}: {count} {self.unit}{extra}, {now - self.start:.0f} s{done}",
+              file=self.stream if self.stream is not None else sys.stderr, flush=True)
+        self.shown, self.last = self.done, now
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self._line(now)
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = ", ".join(f"{key} {value}" for key, value in values.items())
+
+    def close(self) -> None:
+        if self.shown is not None and self.shown != self.done:
+            self._line(time.monotonic(), final=True)
+            self.shown = None  # a second close prints nothing
+
+    def __enter__(self) -> "ProgressLines":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **values) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: Optional[int], desc: str, *, bars: bool, lines: bool, unit: str = "it", leave: bool = False):
+    """A tqdm bar (``bars``: stderr is a terminal), ``ProgressLines`` (``lines``: a log file, and not
+    ``--quiet``) or nothing, behind one interface (``update``, ``set_postfix``, ``close``)."""
+    if bars:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit, leave=leave)
+    return ProgressLines(total, desc, unit) if lines else _NoProgress()
+
+
+def progress_iter(iterable: Iterable, desc: str, *, bars: bool, lines: bool, total: Optional[int] = None,
+                  unit: str = "it") -> Iterator:
+    """``iterable`` with ``progress_bar``'s progress, one ``update`` per item."""
+    if total is None and hasattr(iterable, "__len__"):
+        total = len(iterable)
+    bar = progress_bar(total, desc, bars=bars, lines=lines, unit=unit)
+    try:
+        for item in iterable:
+            yield item
+            bar.update(1)
+    finally:
+        bar.close()

@@ -2,6 +2,7 @@
 never near a held-out prompt, seeded, cached, answered like the user's (docs/quality.md)."""
 
 import logging
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -37,7 +38,7 @@ class ScriptedWriter:
         return torch.tensor(rows)
 
 
-CTX = SimpleNamespace(batch_size=4, max_positions=64, pad_id=PAD, progress=False, device=torch.device("cpu"))
+CTX = SimpleNamespace(batch_size=4, max_positions=64, pad_id=PAD, progress=False, lines=False, device=torch.device("cpu"))
 TRAIN = [[BOS, 10, 11, 12, *ENDING], [BOS, 13, 14, *ENDING], [BOS, 15, 16, 17, 18, *ENDING]]
 HELD = [[BOS, 19, 18, 17, *ENDING]]
 
@@ -172,3 +173,20 @@ def test_another_model_can_write_the_prompts(tiny_family, tmp_path):
     # checked before any capture, like an expert path (test_preflight_checks.py runs it before a merge)
     with pytest.raises(SurgeryConfigError, match="calibration.synthesize_writer: no such directory"):
         run_surgery(_config(tiny_family, tmp_path / "cache", 4, tmp_path / "missing"), str(out))
+
+
+def test_a_long_synthesis_prints_lines_to_a_log_file(tiny_family, tmp_path, capfd, monkeypatch):
+    """Issue 46 item 9: `synthesize: 1600` ran minutes with no output when stderr was a file. Through the
+    pipeline with stderr captured to a file, the sampling rounds and the prompts kept print a line every
+    few seconds (here every 0 s), the last one marked done."""
+    from mergekit_darts import console
+    from mergekit_darts.pipeline import run_surgery
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_family["merged"], out)
+    monkeypatch.setattr(console, "PROGRESS_EVERY_S", 0.0)
+    run_surgery(_config(tiny_family, tmp_path / "cache", 4), str(out))
+    err = capfd.readouterr().err
+    assert "mergekit-darts: synthesize · math (round 1): 1/" in err and " batches, " in err
+    assert re.search(r"synthesize · math: prompts kept: [1-4]/4 prompts, \d+ s \(done\)\n", err), err
+    assert "\r" not in err

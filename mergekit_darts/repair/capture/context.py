@@ -54,7 +54,7 @@ class CaptureContext:
     batch_size: int
     cache: CaptureCache
     trust_remote_code: bool
-    progress: bool
+    progress: bool  # tqdm bars (stderr is a terminal)
     hidden_size: int  # the merged model's, which every expert must share
     vocab_size: int
     num_layers: int  # the merged model's decoder layers (depth's first adapted one is counted from it)
@@ -63,11 +63,12 @@ class CaptureContext:
     max_memory: Optional[dict] = None  # accelerate's per-device limits, with ``device_map``
     tokenizer_hash: str = ""  # the merged tokenizer's files, part of every cache key
     identities: dict = field(default_factory=dict, repr=False)  # model dir -> model_identity, this run's
+    lines: bool = False  # stderr is a log file: a long loop prints a line every few seconds instead of a bar
 
     @classmethod
     def open(cls, merged_path: str, max_positions: int, *, dtype="auto", device="auto", batch_size: int = 8,
              cache_dir: Optional[str] = None, trust_remote_code: bool = False, progress: bool = True,
-             device_map=None, max_memory: Optional[dict] = None) -> "CaptureContext":
+             device_map=None, max_memory: Optional[dict] = None, lines: bool = False) -> "CaptureContext":
         from transformers import AutoConfig, AutoTokenizer
 
         if max_positions <= 0 or batch_size <= 0:
@@ -83,7 +84,8 @@ class CaptureContext:
                    trust_remote_code=trust_remote_code, progress=progress, hidden_size=hidden_size,
                    vocab_size=vocab_size, num_layers=int(getattr(config, "num_hidden_layers", 0) or 0),
                    pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-                   device_map=device_map, max_memory=max_memory, tokenizer_hash=tokenizer_identity(merged_dir))
+                   device_map=device_map, max_memory=max_memory, tokenizer_hash=tokenizer_identity(merged_dir),
+                   lines=lines)
 
     def key(self, role: str, model_dir: str, ids=None, **extra) -> str:
         """The cache key of an entry of ``model_dir``: its content, the merged tokenizer, ``ids``, the
@@ -105,5 +107,5 @@ def open_run_context(out_path: str, surgery, settings) -> CaptureContext:
         out_path, surgery.max_positions, dtype=settings.dtype, device=settings.device,
         batch_size=surgery.capture_batch_size, cache_dir=surgery.cache_dir,
         trust_remote_code=settings.trust_remote_code, progress=settings.progress,
-        device_map=surgery.device_map, max_memory=surgery.max_memory,
+        device_map=surgery.device_map, max_memory=surgery.max_memory, lines=settings.stage_lines,
     )

@@ -12,8 +12,8 @@ import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from tqdm.auto import tqdm
 
+from mergekit_darts.console import progress_iter
 from mergekit_darts.repair.capture.entropy import entropy_head, token_entropy
 from mergekit_darts.repair.capture.models import decoders, final_norm, head_weight, lm_head, release_freed_memory
 from mergekit_darts.repair.capture.placement import input_device, read_weight
@@ -41,7 +41,8 @@ def forward_hidden(model, ids: List[List[int]], ctx, desc: str, with_entropy: bo
     weight = bias = None  # the head as the entropy needs it, made once per pass (not per batch) where the states are
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths batch together: less padding
     try:
-        for start in tqdm(range(0, len(order), ctx.batch_size), desc=desc, disable=not ctx.progress, leave=False):
+        for start in progress_iter(range(0, len(order), ctx.batch_size), desc, bars=ctx.progress, lines=ctx.lines,
+                                   unit="batches"):
             rows = order[start:start + ctx.batch_size]
             input_ids, mask = pad_rows([ids[i] for i in rows], ctx.pad_id)
             position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
@@ -141,7 +142,8 @@ def continue_prompts(model, prompts: List[List[int]], n: int, ctx, stop: List[in
 def _continue_batches(model, prompts, n, ctx, stop, desc, temperature: Optional[float]) -> List[List[int]]:
     out: List[Optional[List[int]]] = [None] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    for start in tqdm(range(0, len(order), ctx.batch_size), desc=desc, disable=not ctx.progress, leave=False):
+    for start in progress_iter(range(0, len(order), ctx.batch_size), desc, bars=ctx.progress, lines=ctx.lines,
+                               unit="batches"):
         rows = order[start:start + ctx.batch_size]
         budgets = [min(n, ctx.max_positions - len(prompts[i])) for i in rows]
         if max(budgets) <= 0:

@@ -27,8 +27,8 @@ import random
 from typing import Dict, List, Sequence, Tuple
 
 import torch
-from tqdm.auto import tqdm
 
+from mergekit_darts.console import progress_bar
 from mergekit_darts.repair.capture.forward import continue_prompts, pad_rows, stop_ids as model_stop_ids
 from mergekit_darts.repair.capture.prompts import Prompts, split_held_out
 
@@ -147,7 +147,7 @@ def synthesize_prompts(model, train: List[List[int]], held: List[List[int]], cou
     kept: List[List[int]] = []
     sampled = 0
     # kept prompts over all rounds (each round's sampling has its own bar from continue_prompts)
-    bar = tqdm(total=count, desc=f"{desc}: prompts kept", unit="prompt", disable=not ctx.progress)
+    bar = progress_bar(count, f"{desc}: prompts kept", bars=ctx.progress, lines=ctx.lines, unit="prompts", leave=True)
     for round_ in range(MAX_ROUNDS):
         if len(kept) >= count or sampled >= MAX_SAMPLES * count:
             break
