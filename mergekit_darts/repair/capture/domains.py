@@ -10,7 +10,7 @@ by content (capture/cache.py), so a rerun with the same inputs loads no model.
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,6 +54,9 @@ class CapturedDomain:
     # record (row). Only the behaviour figures read them; they are never training rows.
     prefixes: Optional["CapturedDomain"] = None
     prefix_records: Optional[torch.LongTensor] = None
+    # every stop id (``forward.stop_ids``: config's and generation_config.json's eos ids) of the expert, which
+    # ended its continuations on them, and of the merge: the behaviour figures count a stop on any as a stop
+    stop_ids: Optional[Tuple[int, ...]] = None
 
 
 @dataclass
@@ -119,8 +122,11 @@ def capture_domains(ctx: CaptureContext, specs: Sequence[DomainCaptureSpec], dep
         expert_out = _capture_experts(passes, expert_dirs, prompts, ctx)
 
     domains = {}
+    merged_stops = set(stop_ids(ctx.merged_dir, ctx.trust_remote_code))
     for spec in specs:
         domains[spec.name] = _captured(spec, prompts[spec.name], expert_out[spec.name], merged_out, ctx.pad_id)
+        domains[spec.name].stop_ids = tuple(sorted(merged_stops | set(stop_ids(expert_dirs[spec.expert],
+                                                                              ctx.trust_remote_code))))
         if spec.name in prefixes:
             prefix, cut, records = prefixes[spec.name]
             domains[spec.name].prefixes = _captured(prefix, cut, expert_out[prefix.name], merged_out, ctx.pad_id)

@@ -10,7 +10,9 @@ gives, without generating anything:
 
 - ``exact_match``: the share of prompts whose greedy continuation equals the expert's exactly (every
   token, and the stop: where the expert stopped before the budget, the model's top-1 there must be
-  the expert's stop token too);
+  a stop token too: any stop id of the expert or the merge (their config's and generation_config.json's
+  eos ids, ``CapturedDomain.stop_ids``), which ``generate`` stops on alike — a Llama-3 model stopping on
+  ``<|end_of_text|>`` where the expert wrote ``<|eot_id|>`` stops all the same);
 - ``top1_agreement``: the mean over prompts of the share of the expert's decisions (its tokens, and its
   stop) that are also the model's top-1 token, along the expert's own continuation;
 - ``first_disagreement``: the mean over prompts of the position (0-based, in continuation tokens) of
@@ -26,7 +28,7 @@ once is left out and counted (``empty_continuations``); fewer than ``MIN_BEHAVIO
 left and the figures are ``not_measured``, with the counts and the reason.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -69,12 +71,15 @@ def _figures(agree: List[torch.Tensor], lengths: List[int]) -> Dict[str, float]:
 def held_out_behaviour(input_ids: torch.Tensor, mask: torch.Tensor, prompt_lengths: torch.Tensor,
                        merged: torch.Tensor, corrected: torch.Tensor, expert: torch.Tensor,
                        merged_head: torch.Tensor, expert_head: torch.Tensor, budget: int, max_positions: int,
-                       head_correction=None, chunk_size: int = 1024) -> Optional[Dict[str, Any]]:
+                       head_correction=None, chunk_size: int = 1024,
+                       stop_ids: Optional[Sequence[int]] = None) -> Optional[Dict[str, Any]]:
     """Greedy-generation agreement with the expert on held-out records, plain merge vs corrected.
 
     input_ids / mask: [N, T] (prompt + the expert's greedy continuation, right padded); prompt_lengths:
     [N]; merged / corrected / expert: [N, T, H] final states (the corrected ones before the head
-    correction, which ``head_correction`` adds to the logits); ``budget``: ``continue_tokens``.
+    correction, which ``head_correction`` adds to the logits); ``budget``: ``continue_tokens``;
+    ``stop_ids``: every token that ends a continuation (where the expert stopped, a model whose top-1 is
+    any of them stops too); None: only the expert's own top-1 token there counts as its stop.
     A prompt the expert ended at once (no token written) is left out of the figures and counted in
     ``empty_continuations``; with none left, the result has the counts and no ``before`` / ``after``.
     None when no record has room for a continuation (``budget`` 0, or every prompt at max_positions)."""
@@ -102,14 +107,18 @@ def held_out_behaviour(input_ids: torch.Tensor, mask: torch.Tensor, prompt_lengt
     index_cols = torch.tensor([t for _, t in positions], device=device)
     # the expert's decision at each position: its next token, or (at a stop) its own top-1 token there
     targets = input_ids.to(device)[index_rows, (index_cols + 1).clamp(max=input_ids.shape[1] - 1)].clone()
-    if final_rows:
-        final = torch.tensor(final_rows, device=device)
+    final = torch.tensor(final_rows, dtype=torch.long, device=device)
+    stops = None if stop_ids is None else torch.tensor(sorted(set(int(i) for i in stop_ids)), dtype=torch.long,
+                                                       device=device)
+    if final_rows and stops is None:
         targets[final] = _top1(expert[index_rows[final], index_cols[final]], expert_head, chunk_size)
     result.update({"expert_tokens": sum(length for *_, length in rows) / len(rows),
                    "stopped_before_budget": len(final_rows) / len(rows)})
     for label, states, correction in (("before", merged, None), ("after", corrected, head_correction)):
         picks = _top1(states.to(device)[index_rows, index_cols], merged_head, chunk_size, correction)
         agree = picks == targets
+        if stops is not None and final_rows:  # the decision there is "stop": any stop id makes it
+            agree[final] = torch.isin(picks[final], stops)
         result[label] = _figures([agree[start:start + count] for _, start, count, _ in rows],
                                  [length for *_, length in rows])
     return result
@@ -189,7 +198,8 @@ def domain_behaviour(data, rows: torch.Tensor, corrected: torch.Tensor, module, 
                                                                                  prefix_corrected)
     measured = held_out_behaviour(input_ids, mask, prompt_lengths, merged, after, expert, merged_head.float(),
                                   data.expert_head.float(), budget=continue_tokens, max_positions=max_positions,
-                                  head_correction=head, chunk_size=chunk_size)
+                                  head_correction=head, chunk_size=chunk_size,
+                                  stop_ids=getattr(data, "stop_ids", None))
     if measured is not None:
         measured["prefixes"] = used  # held-out records measured on a prefix (before leaving out empty ones)
     return judged(measured)
