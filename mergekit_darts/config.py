@@ -5,12 +5,12 @@ Defaults are the paper's. Unknown keys are errors, and every error names its pat
 """
 
 import re
-from typing import Annotated, Any, Dict, List, Literal, Optional, Union, get_args
+from typing import Annotated, Any, Dict, FrozenSet, List, Literal, Optional, Union, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from mergekit_darts.errors import SurgeryConfigError  # noqa: F401  (re-exported: the schema's error)
-from mergekit_darts.presets import PRESETS, expand_preset, preset_settings  # noqa: F401  (re-exported)
+from mergekit_darts.presets import PRESETS, expand_preset, filled_keys, preset_settings  # noqa: F401  (re-exported)
 from mergekit_darts.yaml_source import split_yaml  # noqa: F401  (re-exported: where configs are read)
 
 # Each vocabulary is defined once, as a Literal; the tuples are derived from it.
@@ -211,6 +211,9 @@ class SurgeryConfig(_Strict):
     depth_rank: StrictInt = Field(8, gt=0, le=MAX_RANK)
     # block adapters / head correction start at zero, or at the SVD of expert - merge (train/delta_init.py)
     adapter_init: AdapterInit = "zero"
+    # the keys the preset filled in, and what presets.fit_preset changed of them to fit the model and data
+    _preset_filled: FrozenSet[str] = PrivateAttr(default=frozenset())
+    _preset_fitted: Dict[str, Dict[str, Any]] = PrivateAttr(default_factory=dict)
 
     @field_validator("device_map")
     @classmethod
@@ -291,10 +294,14 @@ class SurgeryConfig(_Strict):
             raise ValueError("max_memory needs device_map (e.g. device_map: auto); it has no effect without one")
         return self
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _expand_preset(cls, data: Any) -> Any:
-        return expand_preset(data)
+    def _expand_preset(cls, data: Any, handler) -> "SurgeryConfig":
+        expanded = expand_preset(data)
+        config = handler(expanded)
+        if isinstance(data, dict):
+            config._preset_filled = filled_keys(data, expanded)
+        return config
 
     @field_validator("lr_candidates")
     @classmethod

@@ -54,6 +54,10 @@ def wrap_run_merge(module) -> None:
                 merge_and_repair(config_source, out_path, merge, options=options, merge_config=merge_config)
         except DartsError as error:
             raise to_click_error(error) from None
+        except KeyboardInterrupt as error:  # Ctrl-C or SIGTERM: one line saying where the output is, 130 / 143
+            from mergekit_darts.interrupts import exit_interrupted
+
+            exit_interrupted(error)
 
     setattr(run_merge, _ORIGINAL_ATTR, original)
     module.run_merge = run_merge

@@ -18,6 +18,8 @@ from mergekit_darts.config import (SurgeryConfig, SurgeryConfigError, parse_surg
                                    split_yaml)
 from mergekit_darts.console import before_after
 from mergekit_darts.errors import io_error, yaml_error_line
+from mergekit_darts.interrupts import describe, terminate_as_interrupt
+from mergekit_darts.presets import fit_preset
 from mergekit_darts.repair.route.step import router_step  # noqa: F401  (benchmarks import it from here)
 from mergekit_darts.repair.stages import StageClock, stage_line
 from mergekit_darts.repair.train.domain import train_domain
@@ -72,13 +74,17 @@ def merge_and_repair(config_source: str, out_path: str, run_merge: Callable, opt
     merge_config = check_merge_config(merge_part, options, merge_config)
     surgery = _surgery_block(surgery_raw)
     settings = RunSettings.resolve(surgery, options)
-    # a typo costs seconds, not a 70B merge
-    texts = check_before_merge(surgery, merge_config, settings, out_path=out_path, options=options)
-    earlier = describe_earlier_result(out_path)
-    if earlier:
-        say(f"{out_path} holds {earlier}; it is replaced when this run has finished (and kept if it fails)")
-    report = _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery,
-                                      settings, texts)
+    with terminate_as_interrupt():  # SIGTERM cleans up as Ctrl-C does (interrupts.py)
+        try:  # a typo costs seconds, not a 70B merge
+            texts = check_before_merge(surgery, merge_config, settings, out_path=out_path, options=options)
+        except KeyboardInterrupt as error:
+            describe(error, f"before the merge: {out_path} is unchanged")
+            raise
+        earlier = describe_earlier_result(out_path)
+        if earlier:
+            say(f"{out_path} holds {earlier}; it is replaced when this run has finished (and kept if it fails)")
+        report = _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_config, surgery,
+                                          settings, texts)
     print_summary(report)  # the results, also with --quiet (which hides progress only)
     say(f"repaired merge written to {out_path}")
     return report
@@ -123,6 +129,8 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
             run_merge(merge_config, stage.path, options, config_source)
     except BaseException as error:
         stage.discard()
+        if isinstance(error, KeyboardInterrupt):
+            describe(error, f"during the merge: {out_path} is unchanged (the partial merge was removed)")
         failed = io_error(error, f"merge (staged for {out_path}, which is unchanged)")
         if failed is not None:  # a full disk: mergekit's raw SafetensorError/OSError as one line
             raise failed from None
@@ -134,6 +142,9 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
         report = repair_directory(stage.path, surgery, settings, texts=texts, clock=clock)
     except BaseException as error:
         kept = stage.keep_plain_merge()
+        if isinstance(error, KeyboardInterrupt):  # the command's one line says where things are
+            describe(error, _interrupted_surgery(out_path, kept))
+            raise
         if kept == os.path.realpath(out_path):
             LOG.error("Surgery failed; %s is left as the plain merged model. Fix the cause and run "
                       "`mergekit-darts surgery CONFIG %s` to repair it without merging again.", out_path, out_path)
@@ -146,6 +157,17 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
         raise
     stage.commit()
     return report
+
+
+def _interrupted_surgery(out_path: str, kept: Optional[str]) -> str:
+    """Where an interrupted surgery left things (``StagedOutput.keep_plain_merge``), as the error line says it."""
+    if kept == os.path.realpath(out_path):
+        return (f"during the surgery: {out_path} is left as the plain merge of this config; "
+                f"`mergekit-darts surgery CONFIG {out_path}` repairs it without merging again")
+    if kept:
+        return (f"during the surgery: {out_path} is unchanged; the new plain merge is kept at {kept}: repair it with "
+                f"`mergekit-darts surgery CONFIG {kept}` and move it into place, or delete it")
+    return f"during the surgery: {out_path} is unchanged"
 
 
 def summary_lines(report: dict) -> List[str]:
@@ -190,7 +212,12 @@ def run_surgery(
     settings = RunSettings.resolve(surgery, options, progress)
     texts = check_surgery(surgery, out_path, settings)
     try:
-        return repair_directory(out_path, surgery, settings, texts=texts)
+        with terminate_as_interrupt():  # SIGTERM cleans up as Ctrl-C does (interrupts.py)
+            return repair_directory(out_path, surgery, settings, texts=texts)
+    except KeyboardInterrupt as error:
+        describe(error, f"during the surgery: {out_path} is left without this run's correction (the export "
+                        "replaces its files in an order that keeps the folder loadable)")
+        raise
     except Exception as error:  # e.g. a full disk during the export, which leaves out_path as it was
         failed = io_error(error, f"surgery ({out_path} is left as it was)")
         if failed is not None:
@@ -212,6 +239,7 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     with clock.stage("capture"):
         ctx = capture_context(out_path, surgery, settings)
         captured = capture_step(out_path, surgery, settings, texts, ctx=ctx)
+    surgery = fit_preset_to_data(surgery, captured, settings.seed)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
                            "domains": {}}
     # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
@@ -246,7 +274,7 @@ def resolve_from_model(surgery: SurgeryConfig, model_dir: str, trust_remote_code
     and an unwritten ``max_positions`` its context length when that is below the default 512 (a
     default the user never wrote must not exceed the model; a written value is kept, with a warning)."""
     wants_positions = "max_positions" not in surgery.model_fields_set
-    if surgery.depth != "all" and not wants_positions:
+    if surgery.depth != "all" and not wants_positions and surgery.preset is None:
         return surgery
     from transformers import AutoConfig
 
@@ -258,7 +286,18 @@ def resolve_from_model(surgery: SurgeryConfig, model_dir: str, trust_remote_code
     context = getattr(config, "max_position_embeddings", None)
     if wants_positions and isinstance(context, int) and 0 < context < surgery.max_positions:
         update["max_positions"] = context
-    return surgery.model_copy(update=update) if update else surgery
+    surgery = surgery.model_copy(update=update) if update else surgery
+    return fit_preset(surgery, hidden_size=int(config.hidden_size))[0]  # a preset's ranks, at most the hidden size
+
+
+def fit_preset_to_data(surgery: SurgeryConfig, captured, seed: int) -> SurgeryConfig:
+    """A preset's early stopping off where a captured domain has no prompt to validate on (presets.fit_preset)."""
+    from mergekit_darts.repair.train.split import split_rows
+
+    if not (surgery.preset and surgery.early_stopping):
+        return surgery
+    counts = {name: int(split_rows(data, surgery, seed)["validation"].numel()) for name, data in captured.domains.items()}
+    return fit_preset(surgery, validation_prompts=counts)[0]
 
 
 def _split_label(entry: dict) -> str:

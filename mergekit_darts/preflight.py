@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 from mergekit_darts.config import SurgeryConfig, SurgeryConfigError, format_validation_error
 from mergekit_darts.errors import DeviceError, FormatError, MergeConfigError, first_line
 from mergekit_darts.model_paths import check_local_model, check_merge_model_paths
+from mergekit_darts.presets import fit_preset
 from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
                                                surgery_inputs)
 from mergekit_darts.preflight_counts import (check_continuation_room, check_selection_prompts, check_synthesis_cost,
@@ -90,16 +91,6 @@ def _check_calibration(surgery: SurgeryConfig, seed: int) -> Dict[str, List[str]
     }
 
 
-def _from_preset(surgery: SurgeryConfig, field: str) -> str:
-    """" (set by preset: best)" when the preset supplies this value: the user may never have written the key."""
-    from mergekit_darts.config import PRESETS
-
-    preset = surgery.preset
-    if preset is None or PRESETS[preset].get(field) != getattr(surgery, field):
-        return ""
-    return f" (set by preset: {preset})"
-
-
 def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust_remote_code: bool,
                    check_vocab: bool = True) -> None:
     from mergekit_darts.output.layout import plain_architecture
@@ -109,13 +100,13 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
     except FormatError as error:
         raise SurgeryConfigError(f"surgery: the merged model ({reference_name}): {error}") from None
     hidden = reference.hidden_size
+    surgery = fit_preset(surgery, hidden_size=hidden, log=False)[0]  # a preset's own ranks fit (said after the merge)
     ranks = ("rank", "head_rank") + (("depth_rank",) if surgery.depth != 0 else ())  # block adapters too
     for field in ranks:
         if getattr(surgery, field) > hidden:
             raise SurgeryConfigError(
-                f"surgery.{field}: {getattr(surgery, field)}{_from_preset(surgery, field)} exceeds the merged model's "
+                f"surgery.{field}: {getattr(surgery, field)} exceeds the merged model's "
                 f"hidden size {hidden}; a rank above the hidden size adds parameters but no capacity"
-                + (f" (write {field}: {hidden} or less to keep the rest of the preset)" if _from_preset(surgery, field) else "")
             )
     layers = getattr(reference, "num_hidden_layers", None)
     if isinstance(layers, int) and isinstance(surgery.depth, int) and surgery.depth > layers:

@@ -5,6 +5,7 @@ and room for a prompt beside ``continue_tokens`` under max_positions."""
 from typing import Dict, Tuple
 
 from mergekit_darts.config import SurgeryConfig, SurgeryConfigError
+from mergekit_darts.presets import filled_by_preset
 
 
 def split_sizes(prompts: int, share: float):
@@ -17,9 +18,11 @@ def check_selection_prompts(surgery: SurgeryConfig, prompts: Dict[str, int]) -> 
     """``lr_candidates`` / ``early_stopping`` choose on validation prompts split off the training ones
     (repair.train.split.split_rows): each domain needs at least one, or training would fail after the merge."""
     candidates = len(surgery.lr_candidates or ()) > 1
-    if not (surgery.early_stopping or candidates):
+    # a preset's own early stopping is turned off for such a run instead (presets.fit_preset, said in the report)
+    stopping = surgery.early_stopping and not filled_by_preset(surgery, "early_stopping")
+    if not (stopping or candidates):
         return
-    key = "early_stopping" if surgery.early_stopping else "lr_candidates"
+    key = "early_stopping" if stopping else "lr_candidates"
     for name, count in prompts.items():
         train, _ = split_sizes(count, surgery.held_out)
         # synthesized prompts only ever train: counted as if all N survive their filters (at most that many)

@@ -1,14 +1,31 @@
-"""The ``surgery:`` block's presets (docs/quality.md): named settings that keys written in the YAML override."""
+"""The ``surgery:`` block's presets (docs/quality.md): named settings that keys written in the YAML override.
 
-from typing import Any, Dict, Optional
+A preset fits the run it is given: ``fit_preset`` lowers what the preset chose (never what the YAML
+wrote) where the merged model or the calibration data cannot take it — a rank above the hidden size, early
+stopping for a domain with no prompt to validate on — and records each change, which the run logs and
+``preset_settings`` puts in the report.
+"""
+
+import logging
+from typing import Any, Dict, FrozenSet, Optional, Tuple
+
+LOG = logging.getLogger(__name__)
 
 # Keys written in the YAML win. "paper": the defaults spelled out. "best": the highest six-seed mean held-out
-# gap with the demo's 50 prompts, within budget.PRESET_SHARE (quality_synthesis.json "real50"; docs/quality.md).
+# gap with the demo's 50 prompts, within budget.PRESET_SHARE (quality_synthesis.json "real50"; docs/quality.md),
+# its step count chosen on the validation split (early stopping, at most `steps`; docs/scale.md has the cost).
 PRESETS: Dict[str, Dict[str, Any]] = {
     "paper": {"method": "darts", "loss": "ewl1", "content": "relu", "rank": 16, "head_rank": 0, "steps": 500, "lr": 1.0e-3},
     "best": {"method": "darts", "loss": "kl", "content": "relu", "rank": 64, "head_rank": 0, "steps": 500, "lr": 1.0e-3,
-             "depth": "all", "depth_rank": 8, "batch_size": 50, "adapter_init": "delta"},
+             "depth": "all", "depth_rank": 8, "batch_size": 50, "adapter_init": "delta",
+             "early_stopping": True, "eval_every": 25, "patience": 4},
 }
+# how the preset chooses its step count (on the validation split), apart from what it trains
+STEP_CHOICE = ("early_stopping", "eval_every", "patience")
+# the preset's keys that only mean something with early stopping on
+_STOPPING_KEYS = ("eval_every", "patience")
+# the ranks a model's hidden size bounds (the pre-merge checks refuse a written one above it)
+_RANKS = ("rank", "head_rank", "depth_rank")
 
 
 def expand_preset(data: Any) -> Any:
@@ -24,11 +41,63 @@ def expand_preset(data: Any) -> Any:
         filled.pop("depth_rank", None)
         if not data.get("head_rank"):  # nor the start from the deltas: nothing left to start
             filled.pop("adapter_init", None)
+    # no training (steps: 0, the data-free extract) has no step to choose; early_stopping: false, no checks
+    if data.get("steps") == 0 or data.get("early_stopping") is False:
+        for key in ("early_stopping", *_STOPPING_KEYS):
+            filled.pop(key, None)
     return {**filled, **data}
 
 
-def preset_settings(surgery)  -> Optional[Dict[str, Any]]:
-    """The settings a preset controls, as this run resolved them (explicit keys included)."""
+def filled_keys(data: Any, expanded: Any) -> FrozenSet[str]:
+    """The keys the preset filled in (not written in the YAML)."""
+    if not isinstance(data, dict) or not isinstance(expanded, dict):
+        return frozenset()
+    return frozenset(set(expanded) - set(data))
+
+
+def filled_by_preset(surgery, key: str) -> bool:
+    """Whether the preset, not the YAML, gave ``key`` its value (so ``fit_preset`` may lower it)."""
+    return key in getattr(surgery, "_preset_filled", frozenset())
+
+
+def fit_preset(surgery, hidden_size: Optional[int] = None, validation_prompts: Optional[Dict[str, int]] = None,
+               log: bool = True) -> Tuple[Any, Dict[str, Dict[str, Any]]]:
+    """``surgery`` with the preset's own settings lowered where this run cannot take them, and the new
+    changes ({key: {"preset": value, "used": value, "why": text}}). ``hidden_size``: the merged model's;
+    ``validation_prompts``: each domain's validation prompt count with early stopping on. Keys written
+    in the YAML are never changed (the checks report them). ``log``: a warning line per change."""
+    update: Dict[str, Any] = {}
+    changes: Dict[str, Dict[str, Any]] = {}
+    if hidden_size is not None:
+        for key in _RANKS:
+            if filled_by_preset(surgery, key) and getattr(surgery, key) > hidden_size:
+                update[key] = hidden_size
+                changes[key] = {"preset": getattr(surgery, key), "used": hidden_size,
+                                "why": f"the merged model's hidden size is {hidden_size}"}
+    if validation_prompts is not None and filled_by_preset(surgery, "early_stopping") and surgery.early_stopping:
+        empty = sorted(name for name, count in validation_prompts.items() if count == 0)
+        if empty:
+            update["early_stopping"] = False
+            changes["early_stopping"] = {
+                "preset": True, "used": False,
+                "why": f"domain(s) {', '.join(empty)} have too few training prompts to set any aside for "
+                       f"validation: every step ({surgery.steps}) is trained"}
+    if not update:
+        return surgery, {}
+    fitted = surgery.model_copy(update=update)
+    fitted._preset_fitted = {**getattr(surgery, "_preset_fitted", {}), **changes}
+    for key, change in changes.items() if log else ():
+        LOG.warning("preset: %s: %s: %s -> %s (%s)", surgery.preset, key, change["preset"], change["used"], change["why"])
+    return fitted, changes
+
+
+def preset_settings(surgery) -> Optional[Dict[str, Any]]:
+    """The settings a preset controls, as this run resolved them (explicit keys included), and under
+    ``fitted`` what the run changed from the preset's values to fit the model and data (``fit_preset``)."""
     if surgery.preset is None:
         return None
-    return {key: getattr(surgery, key) for key in PRESETS[surgery.preset]}
+    settings: Dict[str, Any] = {key: getattr(surgery, key) for key in PRESETS[surgery.preset]}
+    fitted = getattr(surgery, "_preset_fitted", None)
+    if fitted:
+        settings["fitted"] = fitted
+    return settings

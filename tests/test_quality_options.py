@@ -230,7 +230,9 @@ def test_best_preset_is_the_measured_best_mean():
                 **overrides[best]}
     if measured.get("depth") == 4:  # every block of the demo's 4-layer family
         measured["depth"] = "all"
-    assert measured == PRESETS["best"], (best, six)
+    from mergekit_darts.presets import STEP_CHOICE  # how many of the 500 steps: tests/test_preset_fit.py
+
+    assert measured == {k: v for k, v in PRESETS["best"].items() if k not in STEP_CHOICE}, (best, six)
 
 
 @pytest.mark.parametrize("change, field", [

@@ -53,6 +53,10 @@ class LazyGroup(click.Group):
                 return super().invoke(ctx)
         except DartsError as error:
             raise to_click_error(error) from None
+        except KeyboardInterrupt as error:  # Ctrl-C or SIGTERM (interrupts.py): one line, exit 130 / 143
+            from mergekit_darts.interrupts import exit_interrupted
+
+            exit_interrupted(error)
         except Exception as error:  # noqa: BLE001 - a full disk, a loader's ValueError: one line too
             failed = one_line_error(error, ctx.invoked_subcommand or "mergekit-darts")
             if failed is None:

@@ -23,7 +23,7 @@ import os
 import secrets
 import shutil
 import time
-from typing import Optional
+from typing import List, Optional
 
 LOG = logging.getLogger(__name__)
 
@@ -51,6 +51,32 @@ def _non_empty_dir(path: str) -> bool:
     return os.path.isdir(path) and bool(os.listdir(path))
 
 
+def staging_leftovers(parent: str) -> List[str]:
+    """The ``.darts-staging-*`` folders in ``parent``: a run killed before it could clean up (SIGKILL, a power
+    loss) leaves one holding a whole plain merge, for any output name, so every one is reported."""
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    return [os.path.join(parent, name) for name in names
+            if name.startswith(STAGING_PREFIX) and os.path.isdir(os.path.join(parent, name))]
+
+
+def _holding(container: str) -> str:
+    """What a staging folder holds, in words: the output it was for and whether a merge is in it."""
+    try:
+        inside = sorted(os.listdir(container))
+    except OSError:
+        return "unreadable"
+    if not inside:
+        return "empty"
+    described = []
+    for name in inside:
+        model = os.path.isfile(os.path.join(container, name, "config.json"))
+        described.append(f"{name}/" + (" with a model in it" if model else ""))
+    return "holds " + ", ".join(described)
+
+
 class StagedOutput:
     """A staging directory for ``out_path``; ``path`` is where mergekit and the surgery write."""
 
@@ -59,10 +85,9 @@ class StagedOutput:
         self.final = os.path.realpath(out_path)
         parent = os.path.dirname(self.final)
         os.makedirs(parent, exist_ok=True)
-        for name in os.listdir(parent):
-            if name.startswith(STAGING_PREFIX) and os.path.isdir(os.path.join(parent, name, os.path.basename(self.final))):
-                LOG.warning("found %s from an interrupted run into %s; delete it when no other run is writing there",
-                            os.path.join(parent, name), self.final)
+        for leftover in staging_leftovers(parent):  # whatever output each was for
+            LOG.warning("found %s, left by an interrupted run (%s); delete it when no other run is writing there",
+                        leftover, _holding(leftover))
         # os.mkdir (not mkdtemp, whose 0700 would become the output's mode) honours the umask
         while True:
             self.container = os.path.join(parent, STAGING_PREFIX + secrets.token_hex(4))

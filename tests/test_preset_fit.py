@@ -1,0 +1,99 @@
+"""``preset: best`` fits the model and data it is given (issue 46 item 5) and chooses its steps on the
+validation split (issue 45 ask 7): what it lowers is logged and in the report's preset settings, and a
+key written in the YAML is never changed (still refused when invalid)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DOMAINS = {"math": {"model": "m", "calibration": {"texts": ["a b"]}}}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _block(**keys):
+    from mergekit_darts.config import parse_surgery_block
+
+    return parse_surgery_block({"preset": "best", **keys, "domains": DOMAINS})
+
+
+def test_the_preset_stops_early_on_validation_and_steps_0_or_a_written_false_turn_it_off():
+    best = _block()
+    assert (best.early_stopping, best.steps, best.eval_every, best.patience) == (True, 500, 25, 4)
+    assert _block(steps=0).early_stopping is False  # the extract: nothing to choose (no error either)
+    off = _block(early_stopping=False)
+    assert off.early_stopping is False and (off.eval_every, off.patience) == (25, 8)  # the schema's, not set
+    assert _block(patience=2).patience == 2
+
+
+def test_fit_lowers_only_what_the_preset_set_and_says_why():
+    from mergekit_darts.presets import fit_preset, preset_settings
+
+    fitted, changes = fit_preset(_block(), hidden_size=32)
+    assert (fitted.rank, fitted.depth_rank, fitted.head_rank) == (32, 8, 0)
+    assert changes == {"rank": {"preset": 64, "used": 32, "why": "the merged model's hidden size is 32"}}
+    assert preset_settings(fitted)["fitted"] == changes and preset_settings(fitted)["rank"] == 32
+    assert "fitted" not in preset_settings(_block())
+    tiny, changes = fit_preset(_block(), hidden_size=4)
+    assert (tiny.rank, tiny.depth_rank) == (4, 4) and set(changes) == {"rank", "depth_rank"}
+    # a written rank is the user's: left for the checks to refuse by name
+    written, changes = fit_preset(_block(rank=64), hidden_size=32)
+    assert written.rank == 64 and changes == {}
+    # a domain without a validation prompt: the preset's early stopping off for the run; a written one stays
+    stopped, changes = fit_preset(fitted, validation_prompts={"math": 0, "code": 3})
+    assert stopped.early_stopping is False and "math" in changes["early_stopping"]["why"]
+    assert set(preset_settings(stopped)["fitted"]) == {"rank", "early_stopping"}
+    assert fit_preset(_block(early_stopping=True), validation_prompts={"math": 0})[0].early_stopping is True
+    assert fit_preset(fitted, validation_prompts={"math": 1})[1] == {}
+
+
+def _offline_example(tmp_path) -> Path:
+    """`mergekit-darts example`'s family and YAML in ``tmp_path``, the YAML's training keys replaced by the preset
+    (a few steps, to stay cheap) and the code domain cut to 3 prompts (2 train, none left to validate on)."""
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    subprocess.run([str(bin_dir / "mergekit-darts"), "example"], cwd=tmp_path, check=True, capture_output=True,
+                   env=env, timeout=600)
+    text = (tmp_path / "tiny_offline.yml").read_text()
+    for line in ("  method: darts\n", "  loss: ewl1\n", "  rank: 4\n", "  steps: 100\n", "  lr: 1.0e-2\n",
+                 "  content: linear         # foldable into the LM head (bake, export-peft); the paper's default is relu\n"):
+        assert line in text, line
+        text = text.replace(line, "")
+    text = text.replace("surgery:\n", "surgery:\n  preset: best\n  steps: 6\n  eval_every: 2\n  device: cpu\n")
+    text = text.replace("        samples: 6 ", "        samples: 3 ")
+    return Path(tmp_path / "tiny_offline.yml"), text
+
+
+def test_mergekit_yaml_fits_the_preset_to_the_offline_example(tmp_path):
+    """The offline example (hidden size 32) with ``preset: best``: refused before (rank 64 > 32), now trained
+    with rank 32, the change logged and in the report; its 3-prompt domain trains without early stopping."""
+    from transformers import AutoModelForCausalLM
+
+    config, text = _offline_example(tmp_path)
+    config.write_text(text)
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([str(bin_dir / "mergekit-yaml"), str(config), "out"], cwd=tmp_path, capture_output=True,
+                            text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "preset: best: rank: 64 -> 32 (the merged model's hidden size is 32)" in result.stderr
+    assert "preset: best: early_stopping: True -> False (domain(s) code have too few training prompts" in result.stderr
+    report = json.loads((tmp_path / "out" / "darts_report.json").read_text())
+    settings = report["surgery"]["preset_settings"]
+    assert report["surgery"]["rank"] == settings["rank"] == 32 and settings["depth_rank"] == 8
+    assert settings["fitted"]["rank"] == {"preset": 64, "used": 32, "why": "the merged model's hidden size is 32"}
+    assert settings["fitted"]["early_stopping"]["used"] is False and report["surgery"]["early_stopping"] is False
+    assert report["domains"]["code"]["calibration"]["validation"] == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    assert model.darts["math"].shape.rank == 32 and model.darts["code"].shape.depth_rank == 8
+
+
+def test_a_rank_written_beside_the_preset_is_still_refused_before_the_merge(tmp_path):
+    config, text = _offline_example(tmp_path)
+    config.write_text(text.replace("  preset: best\n", "  preset: best\n  rank: 64\n"))
+    result = subprocess.run([str(Path(sys.executable).parent / "mergekit-yaml"), str(config), "out"], cwd=tmp_path,
+                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert result.returncode != 0
+    assert "surgery.rank: 64 exceeds the merged model's hidden size 32" in result.stderr
+    assert not (tmp_path / "out").exists()
