@@ -76,16 +76,21 @@ def test_demo_cli_help():
 
 
 def test_reduced_demo_end_to_end(tmp_path):
-    from mergekit_darts.demo.run import ABLATIONS, MAIN, ROUTED, DemoSizes, run_demo
+    """Issue 46 item 2: the demo runs `preset: best` (with and without prompts the base writes) from a
+    YAML that says so, and its results.md says what the README says of it and which kernels trained
+    the family (item 3)."""
+    import yaml
 
-    sizes = DemoSizes(family=TINY, test=6, calib=20, surgery_steps=5, rank=4)
+    from mergekit_darts.demo.run import MAIN, PRESET_ROWS, ROUTED, DemoSizes, run_demo, surgery_rows
+
+    sizes = DemoSizes(family=TINY, test=6, calib=20, surgery_steps=5, rank=4, synthesize=4, preset_steps=5)
     workdir = str(tmp_path / "demo")
     result = run_demo(workdir, seed=0, sizes=sizes, progress=False, log=lambda *_: None)
-    expected_rows = {"base", "expert_math", "expert_code", "expert_instruct", "merged", MAIN[0],
-                     *(key for key, _, _ in ABLATIONS), ROUTED[1]}
-    assert set(result["rows"]) == expected_rows
-    keys = list(result["rows"])
-    assert keys[keys.index(ROUTED[0]) + 1] == ROUTED[1]  # the routed row sits under its oracle-domain row
+    expected = ["base", "expert_math", "expert_code", "expert_instruct", "merged", MAIN[0], "darts_kl", ROUTED[1],
+                "extract_all8", "preset_best", "preset_best_synth"]
+    assert list(result["rows"]) == expected  # the paper's ablations only with all_rows
+    assert [key for key, _, _ in surgery_rows()] == ["darts_kl", "extract_all8"]
+    assert len(surgery_rows(all_rows=True)) == 9
     routing = result["routing"]["test_prompts"]
     assert set(routing) == set(tasks.DOMAINS)
     for domain, shares in routing.items():
@@ -93,21 +98,86 @@ def test_reduced_demo_end_to_end(tmp_path):
     for scores in result["rows"].values():
         assert set(scores) == {*tasks.DOMAINS, "average"}
         assert all(0.0 <= v <= 100.0 for v in scores.values())
-    for name in ("results.json", "results.md", "demo.yml", "darts_bias.png", "calib_math.jsonl"):
+    for name in ("results.json", "results.md", "demo.yml", "demo_best.yml", "darts_bias.png", "calib_math.jsonl"):
         assert os.path.exists(os.path.join(workdir, name)), name
+    assert not os.path.exists(os.path.join(workdir, "variants"))  # the scratch copy is removed
     with open(os.path.join(workdir, "results.json")) as f:
         written = json.load(f)
     assert written["rows"] == result["rows"]
     # which vector kernels trained the family: its scores differ between AVX2 and AVX512 (results.md)
     assert written["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    # the preset's YAML is what a user writes: `preset: best`, none of the keys that would override it
+    with open(os.path.join(workdir, "demo_best.yml")) as f:
+        preset_yaml = yaml.safe_load(f)["surgery"]
+    assert preset_yaml["preset"] == "best" and not {"method", "loss", "lr"} & set(preset_yaml)
+    assert "synthesize" not in preset_yaml["domains"]["math"]["calibration"]
+    synth = result["reports"][dict((k, label) for k, label, _ in PRESET_ROWS)["preset_best_synth"]]
+    assert synth["domains"]["math"]["calibration"]["synthesis"]["requested"] == 4
     with open(os.path.join(workdir, "results.md")) as f:
         table = f.read()
     assert "| DARTS + EWL1 |" in table and "| Merged (task arithmetic) |" in table
     assert f"| {ROUTED[2]} |" in table and "routed to their own domain" in table
-    assert "next-token KL gap" in table
+    assert "| preset: best (50 prompts per domain) |" in table and "next-token KL gap" in table
+    assert "The README's figures for `preset: best` on this demo" in table and "25.8 / 100 / 54.3" in table
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert f"trained with torch's {capability} CPU kernels" in table
+    assert "another seed or size, so its numbers are not expected to equal those" in table
     gaps = result["kl_gap_closed"][MAIN[0]]
     assert set(gaps) == set(tasks.DOMAINS) and all(g is None or g <= 1.0 for g in gaps.values())
-    # the output directory is left with the main configuration and loads as a DARTS model
+    # merged/ is what demo.yml makes; merged_best/ what demo_best.yml makes
     with open(os.path.join(workdir, "merged", "config.json")) as f:
         config = json.load(f)
     assert config["darts"]["method"] == "darts" and config["darts"]["loss"] == "ewl1"
+    with open(os.path.join(workdir, "merged_best", "config.json")) as f:
+        config = json.load(f)
+    assert config["darts"]["loss"] == "kl"
+
+
+def test_family_training_prints_progress_lines_to_a_log_file(tmp_path, capfd, monkeypatch):
+    """Issue 46 item 9: with stderr a file the family's training (minutes in the demo) was silent. It says
+    what it trains, then prints a line every few seconds (here every 0 s) instead of a tqdm bar."""
+    from mergekit_darts import console
+
+    monkeypatch.setattr(console, "PROGRESS_EVERY_S", 0.0)
+    splits = _splits()
+    logs = []
+    build_family(str(tmp_path / "f"), splits, tasks.vocabulary(splits.values()), seed=3, spec=TINY,
+                 progress=False, lines=True, log=logs.append)
+    err = capfd.readouterr().err
+    assert logs[0].startswith("training the model family in") and "(6 steps on the mixture)" in logs[0]
+    assert "mergekit-darts: pretrain base: 1/6 steps" in err and "mergekit-darts: fine-tune code: 6/6 steps" in err
+    assert "(done)" in err and "\r" not in err  # lines, not a bar's carriage returns
+    build_family(str(tmp_path / "g"), splits, tasks.vocabulary(splits.values()), seed=3, spec=TINY,
+                 progress=False, lines=False, log=logs.append)
+    assert capfd.readouterr().err == ""  # --quiet: nothing
+
+
+def test_results_md_says_what_the_readme_says_and_which_kernels_ran():
+    """Issue 46 items 2 and 3: the demo's results.md quotes the README's `preset: best` figures (which
+    the README must still say) and, where the family is not the README's (an AVX512 CPU trains another
+    from the same seed), says so and how to train the README's one, next to the numbers."""
+    from mergekit_darts.demo.table import AVX2_ENV, README_PRESET, REFERENCE_EXPERTS, markdown_table
+
+    readme = " ".join(open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read().split())
+    for mean, _ in README_PRESET.values():
+        assert mean in readme
+    assert " / ".join(f"{v:.0f}" for v in REFERENCE_EXPERTS.values()) in readme and "AVX512" in readme
+    domains = list(REFERENCE_EXPERTS)
+
+    def result(capability, experts):
+        rows = {f"expert_{d}": {**{o: 0.0 for o in domains}, d: experts[i], "average": 0.0}
+                for i, d in enumerate(domains)}
+        rows["preset_best"] = {"math": 33.0, "code": 100.0, "instruct": 57.0, "average": 63.3}
+        labels = {**{k: k for k in rows}, "preset_best": "preset: best (50 prompts per domain)"}
+        return {"seed": 0, "reference_run": True, "cpu_capability": capability, "rows": rows, "labels": labels,
+                "test_examples": {d: 100 for d in domains}, "readme_preset": README_PRESET,
+                "preset_config": "/w/demo_best.yml", "preset_output_dir": "/w/merged_best"}
+
+    same = markdown_table(result("AVX2", [42.0, 100.0, 60.0]), domains)
+    assert "trained with torch's AVX2 CPU kernels" in same and "this is that family" in same
+    assert AVX2_ENV not in same
+    assert ("preset: best (50 prompts per domain): 25.8 / 100 / 54.3 (seed 0: 33 / 100 / 57); "
+            "this run (seed 0): 33 / 100 / 57") in same
+    other = markdown_table(result("AVX512", [44.0, 100.0, 68.0]), domains)
+    assert "trained with torch's AVX512 CPU kernels" in other and "The experts score 44 / 100 / 68 here" in other
+    assert f"start the demo as: {AVX2_ENV} mergekit-darts demo" in other

@@ -16,9 +16,9 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-def plan_lines(workdir: str, quick: bool) -> list:
+def plan_lines(workdir: str, quick: bool, all_rows: bool = False) -> list:
     """What the demo will do, in order, and an estimate of how long it takes; said before it starts."""
-    from mergekit_darts.demo.run import ABLATIONS, DemoSizes
+    from mergekit_darts.demo.run import PRESET_YAML, DemoSizes, surgery_rows
     from mergekit_darts.demo.tasks import DOMAINS
 
     sizes = DemoSizes.quick() if quick else DemoSizes()
@@ -30,12 +30,15 @@ def plan_lines(workdir: str, quick: bool) -> list:
              f"{len(DOMAINS)} experts ({', '.join(DOMAINS)}): {family}",
              "  2. merge them with mergekit (task arithmetic) and repair the merge, as mergekit-yaml would:",
              f"     {os.path.join(workdir, 'demo.yml')} -> {os.path.join(workdir, 'merged')}",
-             f"  3. retrain the surgery for {len(ABLATIONS)} more variants; score the base, the experts, the merge",
-             f"     and every variant on {sizes.test} test problems per domain",
-             f"  4. write {os.path.join(workdir, 'results.md')}, results.json and darts_bias.png"]
+             f"  3. retrain the surgery for {len(surgery_rows(all_rows))} more variants"
+             f"{'' if all_rows else f' (--all-rows: {len(surgery_rows(True))})'}, then `preset: best`",
+             f"     ({os.path.join(workdir, PRESET_YAML)}) with 50 prompts per domain and with "
+             f"{sizes.synthesize} more the base writes",
+             f"  4. score the base, the experts, the merge and every variant on {sizes.test} test problems per domain;",
+             f"     write {os.path.join(workdir, 'results.md')}, results.json and darts_bias.png"]
     if os.path.exists(os.path.join(workdir, "results.md")):
         lines.append(f"  (an earlier demo's results in {workdir} are replaced)")
-    measured = MEASURED_S[quick]
+    measured = None if all_rows else MEASURED_S[quick]  # --all-rows was not timed: no estimate
     if measured:
         lines.append(f"  estimate: about {_minutes(measured[1] if reuse else measured[0])} on a 2-core CPU "
                      f"({'family reused' if reuse else 'first run, family trained'}; docs/results.md#times)")
@@ -47,11 +50,16 @@ def plan_lines(workdir: str, quick: bool) -> list:
               help="Where the family, data, merged model and results go (the family is reused).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for data, training and surgery.")
 @click.option("--quick", is_flag=True, help="A reduced run (smaller family, fewer steps and test problems).")
-@click.option("--quiet", is_flag=True, help="No progress bars (the stage lines and tables are still printed; "
-                                            "bars are off anyway when the output is not a terminal).")
-def demo_command(workdir: str, seed: int, quick: bool, quiet: bool):
+@click.option("--all-rows", is_flag=True,
+              help="Also retrain the paper's ablations and the quality options that docs/results.md#the-demo "
+                   "holds (seven more surgeries; longer).")
+@click.option("--quiet", is_flag=True, help="No progress bars (the stage lines and tables are still printed). "
+                                            "When stderr is not a terminal, long stages print a line every few "
+                                            "seconds there instead of a bar; --quiet turns that off too.")
+def demo_command(workdir: str, seed: int, quick: bool, all_rows: bool, quiet: bool):
     """Train a tiny Llama family (base + math/code/instruct experts) on CPU, merge it with
-    mergekit (task arithmetic), repair it with DARTS and the baselines, and print Table 1."""
+    mergekit (task arithmetic), repair it with DARTS, DARTS + KL, the data-free extract and
+    `preset: best` (what the README recommends), and print the scores beside the README's."""
     import logging
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,11 +67,13 @@ def demo_command(workdir: str, seed: int, quick: bool, quiet: bool):
     logging.getLogger("transformers").setLevel(logging.ERROR)
     from mergekit_darts.demo.run import run_demo
 
-    for line in plan_lines(workdir, quick):
+    for line in plan_lines(workdir, quick, all_rows):
         click.echo(line)
     from mergekit_darts.settings import stderr_is_terminal
 
-    result = run_demo(workdir, seed=seed, quick=quick, log=click.echo, progress=not quiet and stderr_is_terminal())
+    terminal = stderr_is_terminal()
+    result = run_demo(workdir, seed=seed, quick=quick, log=click.echo, all_rows=all_rows,
+                      progress=not quiet and terminal, lines=not quiet and not terminal)
     click.echo(f"Results: {os.path.join(os.path.abspath(workdir), 'results.md')} (and results.json, "
                f"darts_bias.png); total {sum(result['timings_s'].values()):.0f}s")
 

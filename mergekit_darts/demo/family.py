@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from mergekit_darts.console import progress_bar
 from mergekit_darts.tiny import build_tokenizer, tiny_config
 
 FAMILY_VERSION = 2  # bump when the data or training changes: cached families are rebuilt
@@ -67,32 +68,31 @@ def _batch(rows, index, pad_id):
 
 
 def train_lm(model, groups: List[list], steps: int, lr: float, batch_size: int, seed: int, pad_id: int,
-             desc: str = "train", progress: bool = True) -> List[float]:
+             desc: str = "train", progress: bool = True, lines: bool = False) -> List[float]:
     """nanoGPT-style loop: AdamW, linear warmup then cosine decay, grad clip 1; returns losses.
 
     ``groups``: lists of encoded rows; step i draws its batch from group i % len(groups) (one
     domain per batch: similar lengths, little padding). Right padding and a causal mask need no
-    attention mask: real tokens never see the pads after them, and pads carry no loss.
+    attention mask: real tokens never see the pads after them, and pads carry no loss. ``progress``:
+    a tqdm bar; ``lines``: a line every few seconds instead (stderr is a log file).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
-        return _train(model, groups, steps, lr, batch_size, seed, pad_id, desc, progress)
+        return _train(model, groups, steps, lr, batch_size, seed, pad_id, desc, progress, lines)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(model, groups, steps, lr, batch_size, seed, pad_id, desc, progress):
-    from tqdm.auto import tqdm
-
+def _train(model, groups, steps, lr, batch_size, seed, pad_id, desc, progress, lines):
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, steps // 10)
     model.train()
     losses = []
-    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
-    for step in bar:
+    bar = progress_bar(steps, desc, bars=progress, lines=lines, unit="steps")
+    for step in range(steps):
         scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
         for group in optimizer.param_groups:
             group["lr"] = lr * scale
@@ -107,21 +107,32 @@ def _train(model, groups, steps, lr, batch_size, seed, pad_id, desc, progress):
         losses.append(loss.item())
         if step % 20 == 0:
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        bar.update(1)
+    bar.close()
     model.eval()
     return losses
 
 
 def _save(model, tokenizer, path: str) -> None:
+    from transformers.utils import logging as hf_logging
+
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' "Writing model shards" bar of a tiny model says nothing
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
 
 
 def build_family(root: str, splits: Dict[str, Dict[str, List[dict]]], words: List[str], seed: int = 0,
-                 spec: Optional[FamilySpec] = None, progress: bool = True, log=print) -> Dict[str, str]:
+                 spec: Optional[FamilySpec] = None, progress: bool = True, log=print,
+                 lines: bool = False) -> Dict[str, str]:
     """Train (or reuse from ``root``) the tokenizer, base and experts; returns {"base"|domain: path}.
 
     A ``family.json`` stamp (seed, spec, version, vocabulary) decides whether a cached family is
@@ -145,6 +156,9 @@ def build_family(root: str, splits: Dict[str, Dict[str, List[dict]]], words: Lis
     if os.path.exists(stamp_path):
         os.remove(stamp_path)
 
+    # the longest silent stage of the demo otherwise: say what it does before it starts
+    log(f"training the model family in {root}: a base ({spec.base_steps} steps on the mixture), then "
+        f"{len(domains)} experts ({spec.expert_steps} steps each)")
     tokenizer = build_tokenizer(words, chat_template=False)
     config = tiny_config("llama", vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
                          layers=spec.layers, max_position_embeddings=spec.seq_len)
@@ -156,7 +170,7 @@ def build_family(root: str, splits: Dict[str, Dict[str, List[dict]]], words: Lis
 
     mixture = [_encode(tokenizer, splits[d]["train"], spec.seq_len, answer_only=False) for d in domains]
     losses = {"base": train_lm(model, mixture, spec.base_steps, spec.base_lr, spec.batch_size, seed,
-                               tokenizer.pad_token_id, desc="pretrain base", progress=progress)}
+                               tokenizer.pad_token_id, desc="pretrain base", progress=progress, lines=lines)}
     _save(model, tokenizer, paths["base"])
     base_state = {k: v.clone() for k, v in model.state_dict().items()}
     for index, domain in enumerate(domains):
@@ -164,7 +178,7 @@ def build_family(root: str, splits: Dict[str, Dict[str, List[dict]]], words: Lis
         rows = _encode(tokenizer, splits[domain]["train"], spec.seq_len, answer_only=True)
         losses[domain] = train_lm(model, [rows], spec.expert_steps, spec.expert_lr, spec.batch_size,
                                   seed + 1 + index, tokenizer.pad_token_id, desc=f"fine-tune {domain}",
-                                  progress=progress)
+                                  progress=progress, lines=lines)
         _save(model, tokenizer, paths[domain])
     with open(stamp_path, "w") as f:
         json.dump({**stamp, "losses": {k: [v[0], v[-1]] if v else [] for k, v in losses.items()}}, f, indent=1)

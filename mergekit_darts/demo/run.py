@@ -18,15 +18,21 @@ import torch
 from mergekit_darts.demo import tasks
 from mergekit_darts.demo.evaluate import score_model
 from mergekit_darts.demo.family import FAMILY_VERSION, THREADS, FamilySpec, build_family
+from mergekit_darts.demo.table import README_PRESET, markdown_table
+from mergekit_darts.presets import PRESETS
 
-MAIN = ("darts_ewl1", "DARTS + EWL1", {"method": "darts", "loss": "ewl1"})
-ABLATIONS = [
+MAIN = ("darts_ewl1", "DARTS + EWL1", {"method": "darts", "loss": "ewl1"})  # the README's example config
+# The paper's ablations and quality options that docs/results.md#the-demo holds, measured on this family
+# (seed 0): shown again only with `mergekit-darts demo --all-rows`, so that the default run has the time
+# to train what the README recommends (PRESET_ROWS).
+PAPER_ABLATIONS = [
     ("standard_l1", "Standard surgery + L1", {"method": "standard", "loss": "l1"}),
     ("standard_ewl1", "Standard + EWL1 (ablation)", {"method": "standard", "loss": "ewl1"}),
     ("darts_l1", "DARTS + L1 (ablation)", {"method": "darts", "loss": "l1"}),
-    ("darts_kl", "DARTS + KL (beyond the paper)", {"method": "darts", "loss": "kl"}),
-    # quality options (docs/quality.md): what `preset: best` sets (the demo YAML's explicit rank and
-    # loss would win over the preset itself), and adapters inside the last decoder block
+]
+KL = ("darts_kl", "DARTS + KL (beyond the paper)", {"method": "darts", "loss": "kl"})
+QUALITY_ABLATIONS = [
+    # what `preset: best` set before 2026-12-01 (the demo YAML's explicit rank and loss would win over a preset)
     ("darts_kl_rank64", "DARTS + KL, rank 64 (preset: best before 2026-12-01)", {"method": "darts", "loss": "kl", "rank": 64}),
     ("darts_kl_depth1", "DARTS + KL, depth 1 (block adapters)", {"method": "darts", "loss": "kl", "depth": 1}),
     # no ReLU: the content correction folds into the LM head (`mergekit-darts bake`, `export-peft`);
@@ -34,11 +40,27 @@ ABLATIONS = [
     ("darts_kl_linear", "DARTS + KL, linear (foldable)", {"method": "darts", "loss": "kl", "content": "linear"}),
     ("standard_kl_linear", "Standard + KL, linear (bakes exactly)",
      {"method": "standard", "loss": "kl", "content": "linear"}),
-    # what a user could pick instead of training: the truncated SVD of expert - merge of every block
-    # linear at rank 8, no data (mergekit-extract-lora's LoRA on the blocks; adapter_init: delta, steps 0)
-    ("extract_all8", "Data-free extract, rank 8 in every block (no training)",
-     {"loss": "kl", "depth": "all", "depth_rank": 8, "adapter_init": "delta", "steps": 0}),
 ]
+# what a user could pick instead of training: the truncated SVD of expert - merge of every block
+# linear at rank 8, no data (mergekit-extract-lora's LoRA on the blocks; adapter_init: delta, steps 0)
+EXTRACT = ("extract_all8", "Data-free extract, rank 8 in every block (no training)",
+           {"loss": "kl", "depth": "all", "depth_rank": 8, "adapter_init": "delta", "steps": 0})
+ALL_ROWS_ONLY = [*PAPER_ABLATIONS, *QUALITY_ABLATIONS]
+
+
+def surgery_rows(all_rows: bool = False) -> list:
+    """The surgeries retrained after MAIN, in table order: (key, label, overrides of the demo YAML)."""
+    return [*(PAPER_ABLATIONS if all_rows else []), KL, *(QUALITY_ABLATIONS if all_rows else []), EXTRACT]
+
+
+# What the README recommends, run from a YAML that says `preset: best` (no explicit method, loss, rank,
+# steps or lr, which would win over the preset): (key, label, prompts written by the merge's base model
+# per domain, as a DemoSizes field name or None).
+PRESET_ROWS = [
+    ("preset_best", "preset: best (50 prompts per domain)", None),
+    ("preset_best_synth", "preset: best + 450 prompts the base writes (synthesize)", "synthesize"),
+]
+VARIANTS_DIR, PRESET_DIR, PRESET_YAML = "variants", "merged_best", "demo_best.yml"  # in the workdir
 
 
 @dataclass(frozen=True)
@@ -50,6 +72,8 @@ class DemoSizes:
     rank: int = 16
     surgery_steps: int = 500
     continue_calibration: bool = True  # calibrate on prompt + the expert's greedy answer
+    synthesize: int = 450  # prompts the merge's base model writes per domain for the synthesize row
+    preset_steps: Optional[int] = None  # None: the preset's own; the reduced test demo sets a few
 
     @classmethod
     def quick(cls) -> "DemoSizes":
@@ -74,19 +98,26 @@ def make_data(workdir: str, seed: int, sizes: DemoSizes):
     return splits
 
 
-def merge_yaml(workdir: str, paths: Dict[str, str], seed: int, sizes: DemoSizes) -> str:
+def merge_yaml(workdir: str, paths: Dict[str, str], seed: int, sizes: DemoSizes, preset: Optional[str] = None,
+               synthesize: int = 0) -> str:
+    """The demo's mergekit YAML: the README's example surgery (DARTS + EWL1, rank 16), or with ``preset``
+    the preset's settings instead of those keys, and ``synthesize`` prompts per domain written by the
+    base model (``synthesize_writer``)."""
     lines = ["merge_method: task_arithmetic", f"base_model: {paths['base']}", "models:"]
     for domain in tasks.DOMAINS:
         lines += [f"  - model: {paths[domain]}", f"    parameters: {{weight: {sizes.merge_weight}}}"]
+    lines += ["dtype: float32", "surgery:"]
+    if preset is None:
+        lines += ["  method: darts", "  loss: ewl1", f"  rank: {sizes.rank}", f"  steps: {sizes.surgery_steps}",
+                  "  lr: 1.0e-3"]
+    else:
+        lines.append(f"  preset: {preset}")
+        if sizes.preset_steps is not None:
+            lines.append(f"  steps: {sizes.preset_steps}")
+        if sizes.family.hidden_size < PRESETS[preset]["rank"]:  # a reduced family is narrower than the preset's rank
+            lines.append(f"  rank: {sizes.family.hidden_size}")
     lines += [
-        "dtype: float32",
-        "surgery:",
-        "  method: darts",
-        "  loss: ewl1",
-        f"  rank: {sizes.rank}",
         f"  max_positions: {sizes.family.seq_len}",
-        f"  steps: {sizes.surgery_steps}",
-        "  lr: 1.0e-3",
         f"  seed: {seed}",
         "  device: cpu",
         "  dtype: float32",
@@ -98,6 +129,8 @@ def merge_yaml(workdir: str, paths: Dict[str, str], seed: int, sizes: DemoSizes)
     for domain in tasks.DOMAINS:
         calib = os.path.join(workdir, f"calib_{domain}.jsonl")
         extra = f", continue_tokens: {tasks.MAX_NEW_TOKENS[domain]}" if sizes.continue_calibration else ""
+        if synthesize:
+            extra += f", synthesize: {synthesize}, synthesize_writer: {paths['base']}"
         lines += [f"    {domain}:", f"      model: {paths[domain]}",
                   f"      calibration: {{path: {calib}, field: prompt, samples: {sizes.calib}{extra}}}"]
     return "\n".join(lines) + "\n"
@@ -146,17 +179,19 @@ def score_routed(out: str, tokenizer, test, domains, progress: bool = False):
 
 def run_demo(workdir: str = "./darts_demo", seed: int = 0, quick: bool = False,
              sizes: Optional[DemoSizes] = None, progress: bool = True,
-             log: Callable[[str], None] = print) -> dict:
-    """Build (or reuse) the family, merge + repair, run the ablations, score, write the table."""
+             log: Callable[[str], None] = print, lines: bool = False, all_rows: bool = False) -> dict:
+    """Build (or reuse) the family, merge + repair, run the other surgeries and ``preset: best``, score,
+    write the table. ``progress``: tqdm bars; ``lines``: a line every few seconds from the long stages
+    instead (stderr is a log file); ``all_rows``: the paper's ablations and quality options too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
-        return _run_demo(workdir, seed, quick, sizes, progress, log)
+        return _run_demo(workdir, seed, quick, sizes, progress, log, lines, all_rows)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
+def _run_demo(workdir, seed, quick, sizes, progress, log, lines, all_rows) -> dict:
     from mergekit.options import MergeOptions
     from transformers import AutoTokenizer
 
@@ -179,7 +214,7 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
     splits = make_data(workdir, seed, sizes)
     words = tasks.vocabulary(splits.values())
     paths = build_family(os.path.join(workdir, "family"), splits, words, seed=seed, spec=sizes.family,
-                         progress=progress, log=log)
+                         progress=progress, log=log, lines=lines)
     tick("family")
 
     config = merge_yaml(workdir, paths, seed, sizes)
@@ -187,10 +222,15 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
     with open(config_path, "w") as f:
         f.write(config)
     out = os.path.join(workdir, "merged")
-    shutil.rmtree(out, ignore_errors=True)
+    for stale in (out, os.path.join(workdir, VARIANTS_DIR), os.path.join(workdir, PRESET_DIR)):
+        shutil.rmtree(stale, ignore_errors=True)
     log(f"merging with mergekit and running the surgery ({config_path} -> {out})")
-    options = MergeOptions(quiet=not progress, random_seed=seed)
+    # a log file (lines) gets the surgery's stage lines: progress None lets the run decide from stderr
+    surgery_progress = None if lines else progress
+    options = MergeOptions(quiet=not (progress or lines), random_seed=seed)
     reports = {MAIN[0]: merge_and_repair(config, out, original_run_merge(), options=options)}
+    if os.path.exists(os.path.join(out, "darts_report.json")):
+        shutil.copy(os.path.join(out, "darts_report.json"), os.path.join(workdir, "darts_report.json"))
     tick("merge+surgery")
 
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -214,35 +254,53 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
     rows["merged"] = score_model(merged, tokenizer, test, samples=samples["merged"], progress=progress,
                                  desc=labels["merged"])
     del merged
+    labels[MAIN[0]] = MAIN[1]
+    log(f"scoring {MAIN[1]}")
+    rows[MAIN[0]] = score_surgery(out, tokenizer, test, domains, progress=progress)
     tick("score experts+merged")
 
+    # every other surgery runs on a copy of the merge, so `merged/` stays what demo.yml makes
+    variants = shutil.copytree(out, os.path.join(workdir, VARIANTS_DIR))
     routing: Dict[str, Dict[str, float]] = {}
-    for key, label, overrides in [MAIN, *ABLATIONS]:
-        if key != MAIN[0]:
-            log(f"surgery: {label}")
-            # a reduced family (tests) may be narrower than a row's rank: surgery rejects rank > hidden
-            sized = {**overrides, "rank": min(overrides["rank"], sizes.family.hidden_size)} if "rank" in overrides else overrides
-            reports[key] = run_surgery(config, out, overrides=sized, options=options, progress=progress)
-        if key == MAIN[0]:
-            for extra in ("darts_report.json",):
-                if os.path.exists(os.path.join(out, extra)):
-                    shutil.copy(os.path.join(out, extra), os.path.join(workdir, extra))
+    for key, label, overrides in surgery_rows(all_rows):
+        log(f"surgery: {label}")
+        # a reduced family (tests) may be narrower than a row's rank: surgery rejects rank > hidden
+        sized = {**overrides, "rank": min(overrides["rank"], sizes.family.hidden_size)} if "rank" in overrides else overrides
+        reports[key] = run_surgery(config, variants, overrides=sized, options=options, progress=surgery_progress)
         labels[key] = label
         log(f"scoring {label}")
-        rows[key] = score_surgery(out, tokenizer, test, domains, progress=progress)
+        rows[key] = score_surgery(variants, tokenizer, test, domains, progress=progress)
         if key == ROUTED[0]:
             log(f"scoring {ROUTED[2]}")
-            scores, routing = score_routed(out, tokenizer, test, domains, progress=progress)
+            scores, routing = score_routed(variants, tokenizer, test, domains, progress=progress)
             if scores is not None:
                 rows[ROUTED[1]], labels[ROUTED[1]] = scores, ROUTED[2]
-    tick("ablations+scoring")
+    tick("surgeries+scoring")
+
+    # what the README recommends, from YAMLs that say `preset: best`; the 50-prompt one runs last, in
+    # its own folder, and stays there as the recommended recipe's output
+    preset_out = os.path.join(workdir, PRESET_DIR)
+    for key, label, written in sorted(PRESET_ROWS, key=lambda row: row[2] is None):
+        preset_config = merge_yaml(workdir, paths, seed, sizes, preset="best",
+                                   synthesize=getattr(sizes, written) if written else 0)
+        target = variants if written else shutil.copytree(out, preset_out)
+        if not written:
+            with open(os.path.join(workdir, PRESET_YAML), "w") as f:
+                f.write(preset_config)
+        log(f"surgery: {label}")
+        reports[key] = run_surgery(preset_config, target, options=options, progress=surgery_progress)
+        labels[key] = label
+        log(f"scoring {label}")
+        rows[key] = score_surgery(target, tokenizer, test, domains, progress=progress)
+        tick(key)
+    shutil.rmtree(variants, ignore_errors=True)
+    # the table in PRESET_ROWS' order (the synthesize row ran first, in the scratch copy)
+    rows = {**{k: v for k, v in rows.items() if k not in README_PRESET}, **{k: rows[k] for k, _, _ in PRESET_ROWS}}
+    reports = {**{k: v for k, v in reports.items() if k not in README_PRESET}, **{k: reports[k] for k, _, _ in PRESET_ROWS}}
     # one figure for every variant, so the KL one the README recommends is seen next to the paper's
     from mergekit_darts.repair.report.plot import plot_bias
 
     plot_bias({labels[key]: r for key, r in reports.items()}, os.path.join(workdir, "darts_bias.png"))
-    # leave the output directory with the main configuration (cheap: the capture is cached)
-    run_surgery(config, out, options=options, progress=progress)
-    tick("restore main")
 
     for scores in rows.values():
         scores["average"] = sum(scores[d] for d in domains) / len(domains)
@@ -258,9 +316,14 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
         "kl_gap_closed": {k: {d: e["held_out_kl"]["gap_closed"] for d, e in r["domains"].items()}
                           for k, r in reports.items()},
         # share of each domain's test prompts the DARTS + KL router sent to each domain ("none": fallback)
-        "routing": {"variant": ROUTED[0], "test_prompts": routing,
+        "routing": {"variant": ROUTED[0], "label": ROUTED[2], "test_prompts": routing,
                     "held_out_calibration": (reports[ROUTED[0]].get("router") or {}).get("accuracy")},
         "samples": samples, "timings_s": timings, "output_dir": out, "config": config_path,
+        "preset_output_dir": preset_out, "preset_config": os.path.join(workdir, PRESET_YAML), "all_rows": all_rows,
+        # what the README says of the preset rows: (six-seed mean, seed 0), math / code / instruct
+        "readme_preset": README_PRESET,
+        # the README's own run (seed 0, full size): its rows are the README's when the kernels are too
+        "reference_run": seed == 0 and sizes == DemoSizes(),
         # every variant's report, so darts_bias.png can be redrawn: plot_bias(result["reports"], path)
         "reports": {labels[key]: r for key, r in reports.items()},
     }
@@ -271,37 +334,3 @@ def _run_demo(workdir, seed, quick, sizes, progress, log) -> dict:
         f.write(table)
     log("\n" + table)
     return result
-
-
-def markdown_table(result: dict, domains: List[str]) -> str:
-    head = "| Model | " + " | ".join(domains) + " | Average |"
-    lines = [
-        f"Held-out accuracy (%), greedy decoding; {', '.join(f'{d}: {n} problems' for d, n in result['test_examples'].items())}.",
-        "math = exact match of `#### n`; code = hidden tests pass in a sandbox (pass@1); instruct = exact match.",
-        "",
-        head,
-        "|" + "---|" * (len(domains) + 2),
-    ]
-    for key, scores in result["rows"].items():
-        cells = " | ".join(f"{scores[d]:.1f}" for d in domains)
-        lines.append(f"| {result['labels'][key]} | {cells} | {scores['average']:.1f} |")
-    routing = (result.get("routing") or {}).get("test_prompts")
-    if routing:
-        own = ", ".join(f"{d} {100 * routing[d][d]:.1f}%" for d in domains)
-        fallback = ", ".join(f"{d} {100 * routing[d]['none']:.1f}%" for d in domains)
-        lines += ["", f"Routing ({ROUTED[2]}): test prompts routed to their own domain: {own}; "
-                      f"to \"none\" (the plain merge): {fallback}."]
-    gaps = result.get("kl_gap_closed") or {}
-    if gaps:
-        lines += [
-            "",
-            "Share of the held-out next-token KL gap (expert vs plain merge) each correction closes, on held-out "
-            "calibration records (1 = the expert's distribution, 0 = the plain merge, < 0 = further away):",
-            "",
-            "| Surgery | " + " | ".join(domains) + " |",
-            "|" + "---|" * (len(domains) + 1),
-        ]
-        for key, per_domain in gaps.items():
-            cells = " | ".join("–" if per_domain.get(d) is None else f"{per_domain[d]:.2f}" for d in domains)
-            lines.append(f"| {result['labels'][key]} | {cells} |")
-    return "\n".join(lines) + "\n"
