@@ -2,10 +2,11 @@
 
 - every expert's (and ``synthesize_writer``'s) files are whole: a bad length field, a header that is
   not JSON, a file cut short. Before, capture met them after the merge, in one line without the file's name;
-- with block adapters (``depth > 0``) the run reads each adapted linear of the expert and of the merge
-  (``adapter_init: delta`` starts from expert − merge, and the report's ``baseline``, the data-free
-  extract, measures it whatever the start: ``repair/train/delta_init.py``): those expert tensors must
-  have the merge's shapes, or the run ended in a raw RuntimeError after the merge and the capture.
+- with block adapters (``depth > 0``) and ``adapter_init: delta`` the run starts each adapter from expert −
+  merge of its linear (``repair/train/delta_init.py``): those expert tensors must have the merge's shapes,
+  or the run ended in a raw RuntimeError after the merge and the capture. (With ``adapter_init: zero`` the
+  same deltas only measure the report's ``baseline``, which an expert of other shapes leaves
+  ``not_measured`` with the reason: the run is not refused.)
 
 The merge's shapes are its inputs': mergekit's methods write each tensor in the shape of the base model's
 (``base_model``, else the first of ``models``); a layer-stacking ``slices:`` merge takes decoder layer j from
@@ -146,8 +147,9 @@ def _expert_tensor(shapes: Shapes, suffix: str) -> Optional[str]:
 
 def check_weight_files(surgery: SurgeryConfig, layer_sources: Optional[List[Tuple[str, int]]],
                        merged_label: str = "the merge") -> None:
-    """Every expert's and writer's safetensors headers are whole; with ``depth > 0`` every adapted linear
-    the run reads from an expert has the merge's shape (``layer_sources``: ``merged_layer_sources``)."""
+    """Every expert's and writer's safetensors headers are whole; with ``depth > 0`` and ``adapter_init: delta``
+    every adapted linear the run reads from an expert has the merge's shape (``layer_sources``:
+    ``merged_layer_sources``)."""
     experts = {}
     for name, domain in surgery.domains.items():
         where = f"surgery.domains.{name}.model"
@@ -157,15 +159,12 @@ def check_weight_files(surgery: SurgeryConfig, layer_sources: Optional[List[Tupl
         folder = local_model_dir(writer) if writer else None
         if folder:
             model_shapes(folder, f"surgery.domains.{name}.calibration.synthesize_writer", repr(writer))
-    if surgery.depth == 0 or not layer_sources:
+    if surgery.depth == 0 or surgery.adapter_init != "delta" or not layer_sources:
         return
     depth = len(layer_sources) if surgery.depth == "all" else min(surgery.depth, len(layer_sources))
     first = len(layer_sources) - depth
     references: Dict[str, Optional[Shapes]] = {}
-    why = ("adapter_init: delta starts each block adapter from expert − merge of its linear"
-           if surgery.adapter_init == "delta" else
-           "the report's baseline (the data-free extract, measured whenever depth > 0) reads expert − merge of "
-           "each adapted linear")
+    why = "adapter_init: delta starts each block adapter from expert − merge of its linear"
     for index, (source, layer) in enumerate(layer_sources[first:], start=first):
         if source not in references:
             folder = local_model_dir(source)
@@ -183,10 +182,10 @@ def check_weight_files(surgery: SurgeryConfig, layer_sources: Optional[List[Tupl
                     raise SurgeryConfigError(
                         f"surgery.domains.{name}.model: expert {model!r} has no tensor '*{suffix}' ({merged_label}'s "
                         f"decoder layer {index}, depth {surgery.depth}); {why}: use an expert with the merge's "
-                        "layers, or a smaller depth")
+                        "layers, a smaller depth, or adapter_init: zero")
                 if shapes[tensor] != merged_shape:
                     raise SurgeryConfigError(
                         f"surgery.domains.{name}.model: expert {model!r} has {tensor} of shape {list(shapes[tensor])}, "
                         f"but {merged_label}'s is {list(merged_shape)} (layer {layer} of {source}); {why}, so the "
                         "expert needs the merge's shapes (intermediate_size, num_key_value_heads, ...): use a "
-                        "fine-tune of the merge's base model, or depth: 0")
+                        "fine-tune of the merge's base model, or adapter_init: zero")
