@@ -16,6 +16,7 @@ gives), so a merge with more layers than its base is compared layer by layer wit
 files here (a Hub id not cached yet): capture still reads them as before.
 """
 
+import itertools
 import json
 import os
 import re
@@ -140,7 +141,8 @@ def merged_layer_sources(merge_config, reference_path: str, reference_layers: Op
     return sources
 
 
-def _expert_tensor(shapes: Shapes, suffix: str) -> Optional[str]:
+def _tensor_ending(shapes: Shapes, suffix: str) -> Optional[str]:
+    """The one tensor named ``suffix`` or ``*.suffix`` (as ``weight_files.SafetensorsWeights`` finds it)."""
     found = [name for name in shapes if name == suffix or name.endswith("." + suffix)]
     return found[0] if len(found) == 1 else None
 
@@ -171,13 +173,17 @@ def check_weight_files(surgery: SurgeryConfig, layer_sources: Optional[List[Tupl
             references[source] = model_shapes(folder, "config", f"merge input {source!r}") if folder else None
         if references[source] is None:
             continue
-        for path, merged_shape in sorted(layer_linears(references[source], layer).items()):
-            suffix = f"layers.{index}.{path}.weight"
-            for name, shapes in experts.items():
+        reference = references[source]
+        for path, weight_shape in sorted(layer_linears(reference, layer).items()):
+            # and its bias, where the merge has one: the run reads the expert's to see what it moved
+            merged_bias = _tensor_ending(reference, f"layers.{layer}.{path}.bias")
+            wanted = [("weight", weight_shape)] + ([("bias", reference[merged_bias])] if merged_bias else [])
+            for (kind, merged_shape), (name, shapes) in itertools.product(wanted, experts.items()):
                 if shapes is None:
                     continue
+                suffix = f"layers.{index}.{path}.{kind}"
                 model = surgery.domains[name].model
-                tensor = _expert_tensor(shapes, suffix)
+                tensor = _tensor_ending(shapes, suffix)
                 if tensor is None:
                     raise SurgeryConfigError(
                         f"surgery.domains.{name}.model: expert {model!r} has no tensor '*{suffix}' ({merged_label}'s "

@@ -43,7 +43,8 @@ def odd_shapes(tiny_family, tmp_path_factory):
     base = tiny_family["base"]
     return {"intermediate_size": _model_like(base, root / "narrow-mlp", intermediate_size=48),
             "num_key_value_heads": _model_like(base, root / "one-kv-head", num_key_value_heads=1),
-            "three layers": _model_like(base, root / "three-layers", num_hidden_layers=3)}
+            "three layers": _model_like(base, root / "three-layers", num_hidden_layers=3),
+            "attention bias": _model_like(base, root / "attention-bias", attention_bias=True)}
 
 
 def _config(paths, expert, tmp_path, merge=None, **settings):
@@ -102,6 +103,16 @@ def test_surgery_in_place_compares_with_the_merged_directory(tiny_family, odd_sh
     source = _config(tiny_family, odd_shapes["intermediate_size"], tmp_path)
     with pytest.raises(DartsError, match=r"but the merged model's is \[32, 64\] \(layer 1 of "):
         run_surgery(source, merged_copy)
+
+
+def test_a_bias_the_merge_has_and_the_expert_lacks_is_refused(tiny_family, odd_shapes, tmp_path):
+    """The run reads each adapted linear's bias from the expert too, where the merge has one."""
+    from mergekit_darts.pipeline import run_surgery
+
+    merged = shutil.copytree(odd_shapes["attention bias"], tmp_path / "merged")
+    with pytest.raises(DartsError, match=r"has no tensor '\*layers\.1\.self_attn\.k_proj\.bias' \(the merged model's "
+                                         r"decoder layer 1, depth 1\); adapter_init: delta"):
+        run_surgery(_config(tiny_family, tiny_family["math"], tmp_path), str(merged))
 
 
 STACKED = """merge_method: passthrough
