@@ -31,6 +31,8 @@ def terminate_as_interrupt():
         yield
         return
     previous = signal.getsignal(signal.SIGTERM)
+    if previous is None:  # a handler installed from C, which Python cannot put back: the default then
+        previous = signal.SIG_DFL
 
     def handler(signum, frame):
         signal.signal(signal.SIGTERM, previous)
