@@ -72,6 +72,7 @@ def test_a_training_that_makes_things_worse_ships_the_extract(overshot):
     assert "no regret math: kept the untrained start (data-free extract)" in " ".join(table.stdout.split())
     card = (out / "README.md").read_text()
     assert "kept the untrained start (data-free extract)" in card
+    assert "No regret shipped the untrained start for math, code: its 'trained' cells are that start's." in card
 
 
 def test_the_zero_start_ships_the_identity_when_training_hurts(tiny_family, merged_copy, tmp_path):

@@ -92,8 +92,12 @@ def baseline_intro(report: Dict[str, Any]) -> str:
     carried = f"a rank-{settings['rank']} content correction" if settings.get("rank") else "a content correction"
     if settings.get("method", "darts") == "darts":
         carried += f" and a {settings.get('max_positions', '?')}-position table"
+    kept_start = [name for name, entry in (report.get("domains") or {}).items()
+                  if (entry.get("no_regret") or {}).get("kept") == "start"]
+    shipped = (f" No regret shipped the untrained start for {', '.join(kept_start)}: its 'trained' cells are "
+               "that start's." if kept_start else "")
     return (f"{what}, on {where}. The trained correction also carries {carried} the extract has not: "
-            "both parameter counts are shown.")
+            f"both parameter counts are shown.{shipped}")
 
 
 def baseline_lines(report: Dict[str, Any]) -> List[str]:
