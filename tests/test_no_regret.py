@@ -215,3 +215,22 @@ def test_verdict_unit_cases():
     assert choose_default(report, "math", allow_worse=False) == "none"
     assert report["default_domain"]["reason"].startswith("mixed against the plain merge (KL to expert improved")
     assert choose_default(report, "math", allow_worse=True) == "math"
+
+
+def test_with_a_validation_split_the_choice_is_made_there(merged_copy, tiny_family):
+    """early_stopping + lr_candidates keep a validation split: the comparison is made on it (never on the
+    held-out records), the trained side being the selected run's own validation loss from before its
+    refit. Early stopping evaluates step 0 (the start), so the trained side can only tie or win."""
+    from mergekit_darts.pipeline import run_surgery
+
+    config = merge_yaml(tiny_family) + (
+        "surgery:\n  loss: kl\n  steps: 12\n  rank: 2\n  head_rank: 4\n  max_positions: 32\n  device: cpu\n"
+        "  early_stopping: true\n  eval_every: 3\n  lr_candidates: [1.0e-3, 1.0e-2]\n  held_out: 0.25\n"
+        "  validation: 0.5\n  domains:\n"
+        f"    math:\n      model: {tiny_family['math']}\n      calibration:\n"
+        "        texts: [a b c, what is 2 + 3, how many apples, def sum list, print total, apples]\n")
+    entry = run_surgery(config, merged_copy, progress=False)["domains"]["math"]
+    record, selection = entry["no_regret"], entry["selection"]
+    assert record["compared_on"] == "validation" and record["records"] == entry["calibration"]["validation"] == 2
+    assert record["trained"] == selection["validation_loss"] and record["trained"] <= record["untrained"]
+    assert record["kept"] == ("start" if selection["steps"] == 0 else "trained")
