@@ -119,7 +119,7 @@ def finetune_expert(base: str, tokenizer, examples: List[dict], out: str, steps:
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
     clock = time.perf_counter()
     for step in range(progress["step"], steps):
-        step_started = time.perf_counter()
+        step_started, step_cpu = time.perf_counter(), time.process_time()
         batch = [examples[order[(step * batch_size + i) % len(order)]] for i in range(batch_size)]
         input_ids, mask, labels = encode_answers(tokenizer, batch)
         for group in optimizer.param_groups:
@@ -130,7 +130,9 @@ def finetune_expert(base: str, tokenizer, examples: List[dict], out: str, steps:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         progress["losses"].append(round(loss.item(), 4))
+        # wall and this process's CPU seconds (all its threads): on shared cores the CPU time plans a budget
         progress.setdefault("step_seconds", []).append(round(time.perf_counter() - step_started, 2))
+        progress.setdefault("step_cpu_seconds", []).append(round(time.process_time() - step_cpu, 2))
         progress["step"] = step + 1
         if progress["step"] % checkpoint_every == 0 or progress["step"] == steps:
             progress["seconds"] += time.perf_counter() - clock
@@ -155,7 +157,8 @@ def finetune_expert(base: str, tokenizer, examples: List[dict], out: str, steps:
 
 
 def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: int = 0, test: int = TEST,
-          calib: int = CALIB, experts: Optional[Dict[str, dict]] = None, make_splits=None) -> dict:
+          calib: int = CALIB, experts: Optional[Dict[str, dict]] = None, make_splits=None,
+          train: int = TRAIN_POOL) -> dict:
     """The base, the data and one expert per domain of ``experts`` (domain -> optional ``lr`` and ``lora``
     of ``finetune_expert``; default: the demo's three, whole-model at ``LR``), each skipped when it exists;
     ``make_splits`` makes their data (default: the demo's generators)."""
@@ -177,7 +180,8 @@ def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: in
         save_base(find_gguf(gguf, workdir), base)
         record["base_seconds"] = round(time.perf_counter() - clock, 1)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    splits = chat_splits(tokenizer, seed, calib=calib, test=test, domains=list(experts), make_splits=make_splits)
+    splits = chat_splits(tokenizer, seed, train=train, calib=calib, test=test, domains=list(experts),
+                         make_splits=make_splits)
     os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
     for domain, parts in splits.items():
         with open(os.path.join(workdir, "data", f"{domain}.json"), "w") as handle:

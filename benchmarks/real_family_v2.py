@@ -58,21 +58,22 @@ STAGES = ("experts", "merges", "scores", "extract")
 
 
 class Scores:
-    """WORK/scores.json: a row (domain -> accuracy %) with its seconds, written at once when it is scored;
+    """WORK/scores.json: a row (domain -> accuracy %) with its wall and CPU seconds, written at once when it is scored;
     a row already there is read back, never scored again."""
 
     def __init__(self, workdir: str):
         self.path = os.path.join(workdir, "scores.json")
-        self.data = {"rows": {}, "seconds": {}}
+        self.data = {"rows": {}, "seconds": {}, "cpu_seconds": {}}
         if os.path.exists(self.path):
             with open(self.path) as handle:
                 self.data = json.load(handle)
 
     def row(self, key: str, compute) -> Dict[str, float]:
         if key not in self.data["rows"]:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             self.data["rows"][key] = compute()
             self.data["seconds"][key] = round(time.perf_counter() - started, 1)
+            self.data.setdefault("cpu_seconds", {})[key] = round(time.process_time() - cpu, 1)
             self.put()
             log(f"{key}: {self.data['rows'][key]} ({self.data['seconds'][key]} s)")
         return self.data["rows"][key]
@@ -85,9 +86,9 @@ class Scores:
 
 
 def build_experts(workdir: str, gguf: Optional[str] = None, steps: Optional[Dict[str, int]] = None,
-                  test: int = real_family.TEST, calib: int = real_family.CALIB) -> dict:
+                  test: int = real_family.TEST, calib: int = real_family.CALIB, train: int = real_family.TRAIN_POOL) -> dict:
     return real_family.build(workdir, gguf, {**STEPS, **(steps or {})}, test=test, calib=calib, experts=EXPERTS,
-                             make_splits=family_v2_tasks.make_splits)
+                             make_splits=family_v2_tasks.make_splits, train=train)
 
 
 def build_merges(workdir: str, names: List[str], seed: int = 0) -> Dict[str, str]:
@@ -210,9 +211,10 @@ def measure_extract(workdir: str, names: List[str], scores: Scores) -> dict:
     return summary
 
 
-def time_steps(workdir: str, steps: int, gguf: Optional[str] = None) -> dict:
-    """Seconds of one fine-tune step of 8 chats, whole-model and LoRA, per domain (median of the steps
-    after the first), on the base; nothing is kept."""
+def time_steps(workdir: str, steps: int, gguf: Optional[str] = None, combos: Optional[List[str]] = None) -> dict:
+    """Wall and CPU seconds of one fine-tune step of 8 chats, whole-model and LoRA, per domain (medians
+    of the steps after the first), on the base, for each ``domain:full`` / ``domain:lora`` of ``combos``
+    (default: all); nothing is kept."""
     from transformers import AutoTokenizer
 
     from real_model_check import find_gguf, save_base
@@ -224,13 +226,15 @@ def time_steps(workdir: str, steps: int, gguf: Optional[str] = None) -> dict:
     splits = real_family.chat_splits(tokenizer, train=steps * real_family.BATCH_SIZE, test=10, calib=10,
                                      domains=DOMAINS, make_splits=family_v2_tasks.make_splits)
     result = {}
-    for domain in DOMAINS:
-        for kind, lora in (("full", None), ("lora", LORA)):
-            with tempfile.TemporaryDirectory(dir=workdir) as scratch:
-                progress = real_family.finetune_expert(base, tokenizer, splits[domain]["train"], os.path.join(scratch, "x"),
-                                                       steps, seed=0, checkpoint_every=10 ** 6, lora=lora)
-            result[f"{domain}:{kind}"] = statistics.median(progress["step_seconds"][1:])
-            log(f"{domain} {kind}: {result[f'{domain}:{kind}']:.2f} s/step {progress['step_seconds']}")
+    for combo in combos or [f"{domain}:{kind}" for domain in DOMAINS for kind in ("full", "lora")]:
+        domain, kind = combo.split(":")
+        with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+            progress = real_family.finetune_expert(base, tokenizer, splits[domain]["train"], os.path.join(scratch, "x"),
+                                                   steps, seed=0, checkpoint_every=10 ** 6,
+                                                   lora=LORA if kind == "lora" else None)
+        result[combo] = {"wall": statistics.median(progress["step_seconds"][1:]),
+                         "cpu": statistics.median(progress["step_cpu_seconds"][1:])}
+        log(f"{combo}: {result[combo]} s/step (median after the first)")
     return result
 
 
@@ -243,6 +247,7 @@ def main(argv=None):
     parser.add_argument("--steps", default="", help="per-domain steps, e.g. math=300,dates=200")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--time-steps", type=int, default=0, help="only time N fine-tune steps per domain and kind")
+    parser.add_argument("--time-combos", default=None, help="with --time-steps: domain:full|lora,... (default: all)")
     add_output_options(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -254,7 +259,8 @@ def main(argv=None):
         raise SystemExit(f"--stages / --merges: unknown {unknown}; stages {STAGES}, merges {list(MERGES)}")
     os.makedirs(args.workdir, exist_ok=True)
     if args.time_steps:
-        seconds = time_steps(args.workdir, args.time_steps, args.gguf)
+        seconds = time_steps(args.workdir, args.time_steps, args.gguf,
+                             args.time_combos.split(",") if args.time_combos else None)
         write_json("real_family_v2_steps", {"machine": machine_info(), "steps": args.time_steps,
                                             "threads": args.threads, "seconds_per_step": seconds}, args.out, args.overwrite)
         return

@@ -51,10 +51,12 @@ SEEDED_ROWS = ("standard_l1", "darts_ewl1", "preset")  # six seeds: the paper's 
 
 
 def declared_rows(best: str, seed: int = 0) -> List[str]:
-    """``<merge>/<repair>`` of every row of the table (of ``SEEDED_ROWS`` only for a seed other than 0)."""
+    """``<merge>/<repair>`` of every row of the table; for a seed other than 0, the best merge's
+    ``SEEDED_ROWS`` (the other rows have one seed)."""
+    if seed:
+        return [f"{best}/{key}" for key in SEEDED_ROWS]
     rows = [f"{best}/{key}" for key in BEST_MERGE_ROWS]
-    rows += [f"{name}/{key}" for name in family.MERGES if name != best for key in OTHER_MERGE_ROWS]
-    return rows if seed == 0 else [row for row in rows if row.split("/")[1] in SEEDED_ROWS]
+    return rows + [f"{name}/{key}" for name in family.MERGES if name != best for key in OTHER_MERGE_ROWS]
 
 
 def best_merge(workdir: str) -> str:
