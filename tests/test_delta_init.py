@@ -15,9 +15,9 @@ def _run(family, root, **keys):
 
     out = root / "out"
     shutil.copytree(family["merged"], out)
-    extra = "".join(f"  {key}: {value}\n" for key, value in keys.items() if key != "steps")
-    report = run_surgery(depth_config(family, root / "cache", depth="all", steps=keys.get("steps", 20),
-                                      extra=extra), str(out))
+    extra = "".join(f"  {key}: {value}\n" for key, value in keys.items() if key not in ("steps", "dtype"))
+    config = depth_config(family, root / "cache", depth="all", steps=keys.get("steps", 20), extra=extra)
+    report = run_surgery(config.replace("  dtype: float32\n", f"  dtype: {keys.get('dtype', 'float32')}\n"), str(out))
     return str(out), report
 
 
@@ -50,21 +50,69 @@ def test_steps_0_equals_mergekit_extract_lora(extract_output, tiny_family, tmp_p
     darts = load_file(f"{out}/darts.safetensors")
     for domain in ("math", "code"):
         lora = _extract_lora(tiny_family[domain], tiny_family["merged"], str(tmp_path / domain), rank=2)
-        compared = 0
-        for name, lora_a in lora.items():
-            if ".lora_A.weight" not in name or "embed_tokens" in name:
-                continue
-            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            expected = lora[name.replace("lora_A", "lora_B")].float() @ lora_a.float()
-            if module == "lm_head":
-                prefix = f"darts.{domain}.head_"
-            else:
-                layer, path = module.removeprefix("model.layers.").split(".", 1)
-                prefix = f"darts.{domain}.blocks.{layer}.{path}."
-            product = darts[prefix + "up.weight"] @ darts[prefix + "down.weight"]
-            torch.testing.assert_close(product, expected, atol=1e-5, rtol=1e-4)
-            compared += 1
-        assert compared == 2 * 7 + 1  # q k v o gate up down in each of the two blocks, and the head
+        # q k v o gate up down in each of the two blocks, and the head
+        assert _assert_products_equal(darts, lora, domain) == 2 * 7 + 1
+
+
+def _assert_products_equal(darts, lora, domain):
+    """Every lora_B·lora_A of mergekit-extract-lora equals up·down of the same module; returns how many."""
+    compared = 0
+    for name, lora_a in lora.items():
+        if ".lora_A.weight" not in name or "embed_tokens" in name:
+            continue
+        module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        expected = lora[name.replace("lora_A", "lora_B")].float() @ lora_a.float()
+        if module == "lm_head":
+            prefix = f"darts.{domain}.head_"
+        else:
+            layer, path = module.removeprefix("model.layers.").split(".", 1)
+            prefix = f"darts.{domain}.blocks.{layer}.{path}."
+        product = darts[prefix + "up.weight"] @ darts[prefix + "down.weight"]
+        torch.testing.assert_close(product, expected, atol=1e-5, rtol=1e-4)
+        compared += 1
+    return compared
+
+
+@pytest.fixture(scope="module")
+def qwen2_family(tmp_path_factory):
+    """A tiny Qwen2 family (q/k/v carry biases) whose experts also moved those biases, and its merge."""
+    from safetensors.torch import load_file, save_file
+
+    from helpers import merge_tiny
+    from mergekit_darts.tiny import make_family
+
+    root = tmp_path_factory.mktemp("qwen2")
+    paths = make_family(str(root), arch="qwen2", domains=["math", "code"], seed=3)
+    for seed, name in enumerate(("math", "code"), start=1):
+        weights = f"{paths[name]}/model.safetensors"
+        tensors = load_file(weights)
+        generator = torch.Generator().manual_seed(seed)
+        for key in [key for key in tensors if key.endswith(".bias")]:
+            tensors[key] = tensors[key] + 0.1 * torch.randn(tensors[key].shape, generator=generator)
+        save_file(tensors, weights, metadata={"format": "pt"})
+    paths["merged"] = str(root / "merged")
+    merge_tiny(paths, paths["merged"])
+    return paths
+
+
+def test_qwen2_steps_0_equals_mergekit_extract_lora_and_reports_the_bias_deltas(qwen2_family, tmp_path):
+    """Qwen2, captured in bfloat16: the blocks and the head (read from the files in float32, not from
+    the bfloat16 capture of the heads) equal mergekit-extract-lora's lora_B·lora_A; the q/k/v bias
+    deltas the tool writes as lora_B.bias are not carried by the adapters, and the report says so."""
+    from safetensors.torch import load_file
+
+    out, report = _run(qwen2_family, tmp_path, steps=0, adapter_init="delta", head_rank=2, content="linear",
+                       method="standard", dtype="bfloat16")
+    darts = load_file(f"{out}/darts.safetensors")
+    for domain in ("math", "code"):
+        lora = _extract_lora(qwen2_family[domain], qwen2_family["merged"], str(tmp_path / domain), rank=2)
+        assert _assert_products_equal(darts, lora, domain) == 2 * 7 + 1
+        biases = {name: tensor for name, tensor in lora.items() if name.endswith("lora_B.bias")}
+        assert len(biases) == 2 * 3  # q, k, v of both blocks
+        assert not any(name.startswith(f"darts.{domain}.blocks.") and name.endswith(".bias") for name in darts)
+        dropped = report["domains"][domain]["baseline"]["bias_deltas_not_carried"]
+        assert dropped["linears"] == 6
+        assert dropped["largest_abs"] == pytest.approx(max(float(t.abs().max()) for t in biases.values()), rel=1e-5)
 
 
 def test_untrained_extract_is_the_reported_baseline(extract_output):

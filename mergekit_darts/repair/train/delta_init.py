@@ -13,6 +13,7 @@ Tensors are read one at a time from the safetensors files (single file or sharde
 whole model: peak memory is one linear of each model and its float32 difference.
 """
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
@@ -22,6 +23,8 @@ from tqdm.auto import tqdm
 
 from mergekit_darts.errors import FormatError
 from mergekit_darts.weight_files import SafetensorsWeights
+
+LOG = logging.getLogger(__name__)
 
 # Up to this smaller side the SVD is exact (LAPACK / cuSOLVER), as mergekit-extract-lora computes it;
 # above it on a CPU, randomized (torch.svd_lowrank): an exact SVD of a 4096 x 11008 matrix takes tens
@@ -230,6 +233,12 @@ def extract_start(name: str, surgery, settings, tail, merged_dir: Optional[str],
         if surgery.adapter_init == "delta":
             raise
         return None, f"the expert's weight deltas could not be read ({error})"
+    moved = deltas.describe().get("bias_deltas_not_carried")
+    if moved:  # said where the run's lines are read, and in darts_report.json
+        LOG.warning("surgery.domains.%s: the expert moved the biases of %d adapted linears (largest |change| "
+                    "%.3g); block adapters carry no bias, so the extract and the trained start leave them out "
+                    "(darts_report.json: baseline.bias_deltas_not_carried)", name, moved["linears"],
+                    moved["largest_abs"])
     return deltas, ""
 
 
