@@ -20,6 +20,16 @@ are taken as cached in both variants, so this understates what recomputing both 
     python benchmarks/bench_training.py                         # CPU defaults, ~2-3 min on 2 cores
     python benchmarks/bench_training.py --n 50 --kl-n 50 --kl-t 512 --device cuda   # paper shapes on a GPU
     python benchmarks/bench_training.py --threads-check    # tiny steps, 1 vs all threads (oversubscription)
+    python benchmarks/bench_training.py --preset-ratio     # preset: best step / loss: kl step (docs/scale.md)
+
+Part 3 (``--preset-ratio``, alone) — what a ``preset: best`` step (rank-64 final-state correction plus rank-8
+adapters on every linear of every block, the frozen blocks run forward and backward from the cached
+embeddings, exact KL) costs against a ``loss: kl`` step at depth 0 (the same rank-64 correction on the
+cached final states, exact KL), interleaved in one process on the same random Llama. The default
+shape keeps Llama-2-7B's proportions at 1/8 of its width (hidden 512, MLP 1376, 32 layers, vocabulary
+4000), so the ratio of block to head FLOPs per position is the 7B's; the FLOP model's ratio for the
+same shapes is printed beside the measured one. The frozen blocks run as the CPU runs them (float32);
+``--preset-autocast`` adds the bfloat16-autocast path a GPU takes, run under CPU autocast.
 """
 
 import argparse
@@ -62,6 +72,13 @@ def parse_args(argv=None):
     p.add_argument("--skip-speedup", action="store_true")
     p.add_argument("--threads-check", action="store_true",
                    help="only: small-shape ewl1 steps with 1 vs all CPU threads, interleaved (oversubscription check)")
+    p.add_argument("--preset-ratio", action="store_true",
+                   help="only: a preset: best step vs a loss: kl (depth 0) step, interleaved (part 3)")
+    p.add_argument("--preset-shape", nargs=5, type=int, default=[512, 1376, 32, 8, 4000],
+                   metavar=("HIDDEN", "MLP", "LAYERS", "HEADS", "VOCAB"), help="the random Llama of part 3")
+    p.add_argument("--preset-rows", nargs=2, type=int, default=[4, 64], metavar=("N", "T"),
+                   help="records x tokens per step in part 3 (full batch)")
+    p.add_argument("--preset-autocast", action="store_true", help="part 3 also times the bfloat16-autocast blocks")
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                    help="clock of the speed-up ratio (part 2 runs on CPU; cpu time is steadier on a shared machine)")
     add_output_options(p)
@@ -208,8 +225,121 @@ def threads_check(args, n=40, t=64, hidden=64, steps=100, repeats=4) -> dict:
     return result
 
 
+def random_llama(hidden, mlp, layers, heads, vocab, positions, device="cpu", seed=0):
+    """A random float32 Llama of that shape, built on ``device``, in eval mode."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                      max_position_embeddings=max(positions, 64), pad_token_id=0)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config).float().eval()
+
+
+def preset_modules(model, rank=64, depth_rank=8):
+    """(the frozen tail of every block, a factory of preset: best's module on it, a factory of the depth-0
+    loss: kl module): the tail is copied out of ``model``, which the caller may then drop."""
+    from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
+    from mergekit_darts.repair.capture.block_inputs import FrozenTail
+    from mergekit_darts.repair.train.tail import TailSurgery
+
+    config, layers = model.config, model.config.num_hidden_layers
+    tail = FrozenTail(model, layers).requires_grad_(False).eval()
+    positions = config.max_position_embeddings
+
+    def preset():
+        shape = SurgeryShape("darts", rank=rank, head_rank=0, max_positions=positions, content="relu", depth=layers,
+                             depth_rank=depth_rank)
+        module = DomainSurgery.from_shape(shape, config.hidden_size, config.vocab_size, tail.targets)
+        return TailSurgery(tail, module.to(model.lm_head.weight.device))
+
+    def kl_only():
+        shape = SurgeryShape("darts", rank=rank, head_rank=0, max_positions=positions, content="relu")
+        return DomainSurgery.from_shape(shape, config.hidden_size, config.vocab_size).to(model.lm_head.weight.device)
+
+    return tail, preset, kl_only
+
+
+def preset_flops(hidden, mlp, layers, vocab, n, t, kl_matmuls=3) -> dict:
+    """The FLOP model of docs/scale.md for one full-batch step at these shapes: the blocks forward
+    (2 x weights x positions, plus attention scores 4 x t x hidden per position per layer) and backward to
+    their inputs (the same again; the adapters' own gradients are left out, < 1 %), and the exact KL's
+    [positions x hidden] x [hidden x vocab] matmuls (3 with one chunk: expert and merged logits, the
+    merged logits' backward; 5 with checkpointed chunks)."""
+    positions = n * t
+    per_layer = 4 * hidden * hidden + 3 * hidden * mlp
+    blocks = 2 * (2 * layers * per_layer * positions + 4 * layers * positions * (t / 2) * hidden)
+    kl = kl_matmuls * 2 * positions * hidden * vocab
+    return {"blocks": blocks, "kl": kl, "preset_over_kl": (blocks + kl) / kl}
+
+
+def preset_ratio(args) -> dict:
+    """Part 3: seconds per full-batch step, preset: best vs loss: kl at depth 0, interleaved, one process."""
+    from mergekit_darts.repair.train.loop import train_surgery
+
+    hidden, mlp, layers, heads, vocab = args.preset_shape
+    n, t = args.preset_rows
+    model = random_llama(hidden, mlp, layers, heads, vocab, t)
+    tail, preset, kl_only = preset_modules(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (n, t), generator=g)
+    positions = torch.arange(t).expand(n, t).contiguous()
+    mask = torch.ones(n, t, dtype=torch.bool)
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens(ids)
+        final = tail(embeddings, positions)
+    head = model.lm_head.weight.detach()
+    expert_head = head + 0.02 * torch.randn(head.shape, generator=g)
+    target = final + 0.1 * torch.randn(final.shape, generator=g)
+    heads_ = {"expert_head": expert_head, "merged_head": head}
+    del model
+
+    def step(make, inputs, autocast=None):
+        module = make()
+
+        def run():
+            tail.compute_dtype = autocast
+            train_surgery(module, inputs, target, mask, positions, loss="kl", steps=args.steps, lr=1e-3, **heads_)
+            tail.compute_dtype = None
+        return run
+
+    variants = {"kl_depth0": step(kl_only, final), "preset_best": step(preset, embeddings)}
+    if args.preset_autocast:
+        variants["preset_best_bf16_autocast"] = step(preset, embeddings, torch.bfloat16)
+    for run in variants.values():
+        run()  # warm-up
+    times = interleaved(variants, args.repeats, clock=args.clock)
+    per_step = {k: [x / args.steps for x in v] for k, v in times.items()}
+    flops = preset_flops(hidden, mlp, layers, vocab, n, t)
+    result = {"shape": {"hidden": hidden, "mlp": mlp, "layers": layers, "heads": heads, "vocab": vocab},
+              "rows": n, "tokens": t, "positions": n * t, "rank": 64, "depth_rank": 8, "steps_per_round": args.steps,
+              "clock": args.clock, "seconds_per_step": per_step,
+              "median_seconds_per_step": {k: median(v) for k, v in per_step.items()},
+              "preset_over_kl": paired_ratio(times["preset_best"], times["kl_depth0"]),
+              "flop_model": flops}
+    if args.preset_autocast:
+        result["bf16_autocast_over_float32"] = paired_ratio(times["preset_best_bf16_autocast"], times["preset_best"])
+    r = result["preset_over_kl"]
+    print_table(f"preset: best step / loss: kl (depth 0) step: random Llama hidden {hidden}, MLP {mlp}, {layers} layers, "
+                f"vocab {vocab}; {n} x {t} positions, full batch, exact KL; {args.repeats} interleaved rounds of "
+                f"{args.steps} steps, {args.clock} clock",
+                ["variant", "s/step (median)", "all rounds"],
+                [[k, median(v), " ".join(f"{x:.3f}" for x in v)] for k, v in per_step.items()]
+                + [["preset / kl (measured)", r["median"], f"{r['min']:.1f}..{r['max']:.1f}"],
+                   ["preset / kl (FLOP model)", flops["preset_over_kl"], ""]])
+    return result
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.preset_ratio:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        write_json("bench_training_preset", {"benchmark": "training_preset_ratio", "settings": vars(args),
+                                             "machine": machine_info(), "result": preset_ratio(args)},
+                   args.out, overwrite=args.overwrite)
+        return
     if args.threads_check:
         write_json("bench_training_threads", {"benchmark": "training_threads", "machine": machine_info(),
                                               "result": threads_check(args)}, args.out, overwrite=args.overwrite)

@@ -16,6 +16,19 @@ Per-step time = (time of 1 + S steps - time of 1 step) / S, so the one-time targ
 
     python benchmarks/gpu_kl_scale.py                      # on a CUDA machine (a few minutes on an H200)
     python benchmarks/gpu_kl_scale.py --small --device cpu # tiny shapes: checks that the script runs
+
+``--preset`` measures ``preset: best``'s step instead (docs/scale.md, "Block adapters in every block at 7B"):
+a random Llama-2-7B-shaped model (hidden 4096, MLP 11008, 32 layers, vocabulary 32000) built on the device,
+its 32 blocks as the frozen tail, and the real ``train_surgery`` loop over ``--preset-samples`` x 512 tokens
+(full batch, exact KL) for: ``kl_depth0`` (the rank-64 correction on the final states alone),
+``preset_float32`` (rank-8 adapters on every linear of every block, the blocks in float32) and
+``preset_bf16_autocast`` (the same, the blocks under bfloat16 autocast: what a GPU run does). Seconds
+per step are scaled linearly to the preset's 20,480 positions per domain (40 records x 512; the run
+trains the early-stopped steps on 32 of them, then refits on all 40) and to ``--preset-steps`` steps, and
+printed as minutes per domain against the 10-minute target. With ``--small`` (H 64, 2 layers) it runs on a CPU:
+
+    python benchmarks/gpu_kl_scale.py --preset                          # on a CUDA machine (minutes)
+    python benchmarks/gpu_kl_scale.py --preset --small --device cpu     # tiny shapes: checks the script runs
 """
 
 import argparse
@@ -57,8 +70,16 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--chunk", type=int, default=4096, help="kl_chunk_size")
     p.add_argument("--out", default=None)
+    p.add_argument("--preset", action="store_true", help="only: preset: best's step at 7B shapes (see above)")
+    p.add_argument("--preset-samples", type=int, default=8, help="records of --tokens per measured step")
+    p.add_argument("--preset-steps", type=int, nargs=2, default=[500, 500], metavar=("STOPPED", "REFIT"),
+                   help="steps of the early-stopped run (32 records) and of the refit (40 records) per domain")
     args = p.parse_args(argv)
-    if args.small:
+    args.shape = (4096, 11008, 32, 32, 32000)  # hidden, MLP, layers, heads, vocabulary (Llama-2-7B)
+    if args.small and args.preset:
+        args.shape, args.preset_samples, args.tokens, args.steps = (64, 96, 2, 4, 512), 4, 32, 3
+        args.repeats = max(args.repeats, 2)
+    elif args.small:
         args.hidden, args.vocab, args.samples, args.tokens, args.steps, args.chunk = 64, 512, 4, 32, 20, 64
         args.repeats = max(args.repeats, 3)  # a shared CPU is noisy
         VARIANTS["topk-mixed-pps4096"]["kl_positions_per_step"] = 48
@@ -98,9 +119,76 @@ def run(tensors, options, steps, args, device):
     return time.perf_counter() - start, history
 
 
+def preset_step(args, device) -> dict:
+    """``--preset``: seconds per full-batch step of kl_depth0, preset_float32 and preset_bf16_autocast."""
+    from bench_training import preset_flops, preset_modules, random_llama
+
+    hidden, mlp, layers, heads, vocab = args.shape
+    n, t = args.preset_samples, args.tokens
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the tiny check: threads only contend on a shared machine
+    log(f"{device}: a random Llama, hidden {hidden}, MLP {mlp}, {layers} layers; {n} x {t} positions")
+    model = random_llama(hidden, mlp, layers, heads, vocab, t, device=device)
+    tail, preset, kl_only = preset_modules(model)
+    g = torch.Generator(device=device).manual_seed(0)
+    positions = torch.arange(t, device=device).expand(n, t).contiguous()
+    mask = torch.ones(n, t, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens(torch.randint(1, vocab, (n, t), generator=g, device=device))
+        final = tail(embeddings, positions)
+    merged_head = model.lm_head.weight.detach()
+    expert_head = merged_head + 0.02 * torch.randn(merged_head.shape, generator=g, device=device)
+    target = final + 0.1 * torch.randn(final.shape, generator=g, device=device)
+    del model
+    variants = {"kl_depth0": (kl_only, final, None), "preset_float32": (preset, embeddings, None),
+                "preset_bf16_autocast": (preset, embeddings, torch.bfloat16)}
+
+    def timed_run(make, inputs, autocast, steps):
+        torch.manual_seed(0)
+        module = make()
+        tail.compute_dtype = autocast
+        sync(device)
+        start = time.perf_counter()
+        train_surgery(module, inputs, target, mask, positions, loss="kl", steps=steps, lr=1e-3, seed=0,
+                      expert_head=expert_head, merged_head=merged_head, kl_chunk_size=args.chunk)
+        sync(device)
+        tail.compute_dtype = None
+        return time.perf_counter() - start
+
+    full_positions, stopped, refit = 40 * 512, *args.preset_steps
+    results, rows = {}, []
+    for name, (make, inputs, autocast) in variants.items():
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        per_steps = []
+        for _ in range(args.repeats):
+            one = timed_run(make, inputs, autocast, 1)
+            per_steps.append((timed_run(make, inputs, autocast, 1 + args.steps) - one) / args.steps)
+        per_step = statistics.median(per_steps)
+        scale = full_positions / (n * t)
+        domain_s = per_step * scale * (stopped * 32 / 40 + refit)  # positions: 32 records, then all 40
+        results[name] = {"seconds_per_step": per_step, "per_step_runs": per_steps,
+                         "seconds_per_step_at_20480_positions": per_step * scale,
+                         "minutes_per_domain": domain_s / 60,
+                         "peak_cuda_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+        rows.append([name, f"{per_step:.4f}", f"{per_step * scale:.2f}", f"{domain_s / 60:.2f}"])
+        log(f"{name}: {per_step:.4f} s/step")
+    print_table(f"preset: best's step on {device} ({machine_info()['cuda'] or 'cpu'}), hidden {hidden}, {layers} layers, "
+                f"{n} x {t} positions measured; minutes per domain for {stopped} + {refit} (refit) steps at 20,480 "
+                "positions (target: 10)", ["variant", "s/step", "s/step at 20480", "min per domain"], rows)
+    return {"shape": dict(zip(("hidden", "mlp", "layers", "heads", "vocab"), args.shape)), "rows": n, "tokens": t,
+            "steps": {"stopped": stopped, "refit": refit}, "measured": results,
+            "flop_model": preset_flops(hidden, mlp, layers, vocab, n, t, kl_matmuls=3 if n * t <= args.chunk else 5)}
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.preset:
+        result = preset_step(args, device)
+        write_json("gpu_preset_step", {"machine": machine_info(), "args": vars(args), "device": str(device),
+                                       "preset": result}, args.out)
+        return
     log(f"{device}: H {args.hidden}, V {args.vocab}, {args.samples} x {args.tokens} positions, {args.steps} steps")
     tensors = synthetic(args, device)
     results, rows = {}, []

@@ -1,0 +1,83 @@
+"""The FLOP estimate of ``preset: best``'s training for a Llama-2-7B on one H200 (docs/scale.md), from the
+step counts early stopping chose on the demo (results/preset_steps.json) and the CPU-measured ratio of a
+preset step to a ``loss: kl`` step (results/bench_training_preset.json). An ESTIMATE: no 7B was trained.
+
+    python benchmarks/preset_cost_7b.py            # prints the table, writes results/preset_cost_7b.json
+
+The model (bench_training.preset_flops at 7B shapes): per position, the 32 blocks forward (2 x 6.48e9
+weights + causal attention scores) and backward to their inputs (the same again), and the exact KL's
+[positions x 4096] x [4096 x 32000] matmuls (5: checkpointed chunks). Rates: the blocks at 40 % of the
+H200's ~790 TFLOP/s bf16 peak under autocast, or at 67 TFLOP/s in float32 (what ran before), the KL at
+67 TFLOP/s (float32; docs/scale.md's KL section). Positions: 40 training records of 512 tokens (the
+paper's 50 prompts, 20 % held out); with early stopping the run trains on 32 of them (8 validate, one
+forward every ``eval_every`` steps) up to its stop, then refits the chosen step count on all 40.
+"""
+
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+from bench_training import preset_flops  # noqa: E402
+
+BF16_BLOCKS, FP32 = 0.4 * 790e12, 67e12
+RECORDS, TOKENS, VALIDATION, EVAL_EVERY = 40, 512, 8, 25
+TARGET_MIN = 10
+
+
+def seconds(steps: float, records: int, flops, block_rate: float) -> float:
+    positions = records * TOKENS
+    per_position = flops["blocks"] / block_rate + flops["kl"] / FP32
+    return steps * positions * per_position
+
+
+def domain_minutes(run_steps: float, chosen: float, flops, block_rate: float, early: bool) -> float:
+    if not early:
+        return seconds(run_steps, RECORDS, flops, block_rate) / 60
+    checks = run_steps / EVAL_EVERY + 1  # the validation forwards: about a third of a step's FLOPs each
+    total = (seconds(run_steps, RECORDS - VALIDATION, flops, block_rate) + seconds(chosen, RECORDS, flops, block_rate)
+             + seconds(checks / 3, VALIDATION, flops, block_rate))
+    return total / 60
+
+
+def main() -> None:
+    per_position = preset_flops(4096, 11008, 32, 32000, 1, TOKENS, kl_matmuls=5)
+    flops = {k: v / TOKENS for k, v in per_position.items() if k != "preset_over_kl"}
+    steps = json.load(open(os.path.join(RESULTS_DIR, "preset_steps.json")))["runs"]
+    ratio = json.load(open(os.path.join(RESULTS_DIR, "bench_training_preset.json")))["result"]
+    picked = [(tag, seed, domain, d["steps_run"], d["chosen_steps"]) for tag, run in steps.items()
+              for seed, result in run["seeds"].items() for domain, d in result["domains"].items()]
+    rows, estimate = [], {"flops_per_position": flops, "preset_over_kl_flop_model_7b": per_position["preset_over_kl"],
+                          "preset_over_kl_measured_cpu": ratio["preset_over_kl"]["median"],
+                          "preset_over_kl_flop_model_cpu_shape": ratio["flop_model"]["preset_over_kl"], "rows": []}
+    for label, run_steps, chosen, rate, early in (
+            ["500 full-batch steps, float32 blocks (before)", 500, 500, FP32, False],
+            ["500 full-batch steps, bf16-autocast blocks", 500, 500, BF16_BLOCKS, False],
+            *[[f"early stopping ({tag} seed {seed} {domain}: ran {run}, chose {chosen}), bf16 blocks", run, chosen,
+               BF16_BLOCKS, True] for tag, seed, domain, run, chosen in picked]):
+        minutes = domain_minutes(run_steps, chosen, flops, rate, early)
+        rows.append([label, f"{minutes:.1f}", "yes" if minutes <= TARGET_MIN else "no"])
+        estimate["rows"].append({"label": label, "steps_run": run_steps, "chosen": chosen, "minutes": minutes})
+    if picked:
+        run, chosen = statistics.median(p[3] for p in picked), statistics.median(p[4] for p in picked)
+        minutes = domain_minutes(run, chosen, flops, BF16_BLOCKS, True)
+        rows.append([f"early stopping, median of the demo's ({run:g} run, {chosen:g} chosen)", f"{minutes:.1f}",
+                     "yes" if minutes <= TARGET_MIN else "no"])
+        estimate["median"] = {"steps_run": run, "chosen": chosen, "minutes": minutes}
+        # the largest chosen step count that fits the target, stopping `patience x eval_every` = 100 steps later
+        fits = max((s for s in range(0, 501) if domain_minutes(s + 100, s, flops, BF16_BLOCKS, True) <= TARGET_MIN),
+                   default=0)
+        estimate["largest_chosen_within_target"] = fits
+        rows.append([f"the most steps early stopping may choose within {TARGET_MIN} min (stopping 100 later)",
+                     str(fits), ""])
+    print_table(f"preset: best per domain on one H200, Llama-2-7B, 40 x 512 training positions (ESTIMATE; "
+                f"{per_position['preset_over_kl']:.1f}x a loss: kl step by FLOPs, measured on this CPU at 7B "
+                f"proportions: {ratio['preset_over_kl']['median']:.1f}x vs {ratio['flop_model']['preset_over_kl']:.1f}x "
+                "by FLOPs)", ["training", "minutes per domain", f"<= {TARGET_MIN} min"], rows)
+    write_json("preset_cost_7b", {"machine": machine_info(), "estimate": estimate}, overwrite=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""How many steps ``preset: best`` trains when early stopping chooses them on the validation split, and
+what that does to the demo's quality (issue 45 ask 7; docs/quality.md, docs/scale.md).
+
+    python benchmarks/preset_steps.py DEMO_DIR --seeds 0 --tag NAME [--overrides '{"patience": 20}'] [--score]
+
+DEMO_DIR is a demo work directory as ``bench_quality.py --prepare`` makes it. Each run takes the demo's
+YAML, removes the keys it writes out (method, loss, rank, steps, lr) so the preset decides them, adds
+``preset: best`` and ``--overrides``, captures (cached in DEMO_DIR), trains every domain with the
+pipeline's ``train_domain`` and records per domain: the step early stopping chose, the steps the
+stopped run took, the refit's steps, every validation check ([step, loss]: the curve), the held-out
+gap closed, the behaviour figures and the training seconds; with ``--score`` also the task scores of
+the exported model. Appends to benchmarks/results/preset_steps.json under --tag (after every seed).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import RESULTS_DIR, machine_info  # noqa: E402
+
+WRITTEN_BY_THE_DEMO = ("method", "loss", "rank", "steps", "lr")
+
+
+def configure(demo_dir: str, overrides: dict, seed: int):
+    import yaml
+
+    from mergekit_darts.pipeline import parse_config_source
+
+    with open(os.path.join(demo_dir, "demo.yml")) as handle:
+        data = yaml.safe_load(handle)
+    block = {k: v for k, v in data["surgery"].items() if k not in WRITTEN_BY_THE_DEMO}
+    data["surgery"] = {"preset": "best", **block, **overrides, "seed": seed}
+    _, surgery = parse_config_source(yaml.safe_dump(data, sort_keys=False))
+    return surgery
+
+
+def record_curves(curves: list):
+    """Make every ``EarlyStopping`` of this process append its validation curve to ``curves``."""
+    from mergekit_darts.repair.train import selection
+
+    class Recorded(selection.EarlyStopping):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            curves.append(self.curve)
+
+    selection.EarlyStopping = Recorded
+
+
+def run_seed(demo_dir: str, overrides: dict, seed: int, score: bool) -> dict:
+    import torch
+
+    from mergekit_darts.demo import tasks
+    from mergekit_darts.demo.run import score_surgery
+    from mergekit_darts.pipeline import capture_step, export_step, router_step
+    from mergekit_darts.presets import preset_settings
+    from mergekit_darts.repair.train.domain import train_domain
+    from mergekit_darts.settings import RunSettings
+
+    surgery = configure(demo_dir, overrides, seed)
+    settings = RunSettings.resolve(surgery, None, progress=False)
+    out = os.path.join(demo_dir, "merged")
+    from mergekit_darts.pipeline import resolve_from_model
+
+    surgery = resolve_from_model(surgery, out)
+    start = time.perf_counter()
+    captured = capture_step(out, surgery, settings)
+    result = {"capture_s": round(time.perf_counter() - start, 1), "preset_settings": preset_settings(surgery),
+              "domains": {}}
+    report = {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": seed}, "domains": {}}
+    if captured.tail is not None:
+        report["surgery"]["layers"] = captured.tail.first + len(captured.tail.layers)
+    modules = {}
+    for domain, data in captured.domains.items():
+        curves: list = []
+        record_curves(curves)
+        torch.manual_seed(seed)
+        trained = train_domain(domain, data, captured.merged_head, surgery, settings, tail=captured.tail,
+                               merged_dir=out)
+        modules[domain], entry = trained.module, trained.entry
+        report["domains"][domain] = entry
+        selection = entry["selection"]
+        candidates = selection.get("candidates") or [{}]
+        result["domains"][domain] = {
+            "chosen_steps": selection.get("steps"), "steps_run": candidates[0].get("steps_run"),
+            "refit_records": selection.get("refit_records"), "validation_curve": curves[0] if curves else None,
+            "gap_closed": entry["held_out_kl"]["gap_closed"], "kl_before": entry["held_out_kl"]["before"],
+            "kl_after": entry["held_out_kl"]["after"], "behaviour": entry["behaviour"],
+            "train_seconds": entry["train_seconds"], "records": entry["calibration"],
+            "baseline_gap_closed": (entry.get("baseline") or {}).get("held_out_kl", {}).get("gap_closed")}
+        print(f"s{seed} {domain:8s} chose {selection.get('steps')} of {candidates[0].get('steps_run')} run, "
+              f"gap {entry['held_out_kl']['gap_closed']:.3f} ({entry['train_seconds']:.0f} s)", flush=True)
+    if score:
+        router = None
+        if surgery.router_enabled:
+            router, report["router"] = router_step(out, captured, surgery, settings)
+        export_step(out, surgery, modules, report, router)
+        from transformers import AutoTokenizer
+
+        from benchmarks.bench_quality import load_test
+
+        start = time.perf_counter()
+        result["scores"] = score_surgery(out, AutoTokenizer.from_pretrained(out), load_test(demo_dir),
+                                         list(tasks.DOMAINS))
+        result["score_s"] = round(time.perf_counter() - start, 1)
+        print(f"s{seed} scores {result['scores']} ({result['score_s']} s)", flush=True)
+    return result
+
+
+def save(tag: str, run: dict) -> str:
+    path = os.path.join(RESULTS_DIR, "preset_steps.json")
+    stored = json.load(open(path)) if os.path.exists(path) else {}
+    stored.setdefault("runs", {})[tag] = run
+    with open(path + ".tmp", "w") as handle:
+        json.dump(stored, handle, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("demo_dir")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--overrides", default="{}", help="JSON: surgery keys on top of preset: best")
+    parser.add_argument("--score", action="store_true", help="export and score on the demo's test sets")
+    parser.add_argument("--tag", required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # the demo's setting
+    run = {"command": " ".join(sys.argv), "machine": machine_info(), "overrides": json.loads(args.overrides),
+           "seeds": {}}
+    for seed in args.seeds:
+        run["seeds"][str(seed)] = run_seed(args.demo_dir, run["overrides"], seed, args.score)
+        path = save(args.tag, run)
+    print(f"wrote {path} [{args.tag}]")
+
+
+if __name__ == "__main__":
+    main()
