@@ -81,16 +81,19 @@ def test_reduced_demo_end_to_end(tmp_path):
     the family (item 3)."""
     import yaml
 
-    from mergekit_darts.demo.run import MAIN, PRESET_ROWS, ROUTED, DemoSizes, run_demo, surgery_rows
+    from mergekit_darts.demo.run import MAIN, PRESET_ROWS, ROUTED, DemoSizes, preset_rows, run_demo, surgery_rows
 
+    # the default run: DARTS + KL (routed), the extract and preset: best with the 50 prompts
+    assert [key for key, _, _ in surgery_rows()] == ["darts_kl", "extract_all8"]
+    assert [key for key, _, _ in preset_rows()] == ["preset_best"]
     sizes = DemoSizes(family=TINY, test=6, calib=20, surgery_steps=5, rank=4, synthesize=4, preset_steps=5)
     workdir = str(tmp_path / "demo")
-    result = run_demo(workdir, seed=0, sizes=sizes, progress=False, log=lambda *_: None)
-    expected = ["base", "expert_math", "expert_code", "expert_instruct", "merged", MAIN[0], "darts_kl", ROUTED[1],
-                "extract_all8", "preset_best", "preset_best_synth"]
-    assert list(result["rows"]) == expected  # the paper's ablations only with all_rows
-    assert [key for key, _, _ in surgery_rows()] == ["darts_kl", "extract_all8"]
-    assert len(surgery_rows(all_rows=True)) == 9
+    result = run_demo(workdir, seed=0, sizes=sizes, progress=False, log=lambda *_: None, all_rows=True)
+    ablations = [key for key, _, _ in surgery_rows(all_rows=True)]
+    assert len(ablations) == 9 and ablations[-1] == "extract_all8"
+    expected = ["base", "expert_math", "expert_code", "expert_instruct", "merged", MAIN[0], *ablations[:4], ROUTED[1],
+                *ablations[4:], "preset_best", "preset_best_synth"]
+    assert list(result["rows"]) == expected
     routing = result["routing"]["test_prompts"]
     assert set(routing) == set(tasks.DOMAINS)
     for domain, shares in routing.items():
@@ -170,14 +173,17 @@ def test_results_md_says_what_the_readme_says_and_which_kernels_ran():
         rows["preset_best"] = {"math": 33.0, "code": 100.0, "instruct": 57.0, "average": 63.3}
         labels = {**{k: k for k in rows}, "preset_best": "preset: best (50 prompts per domain)"}
         return {"seed": 0, "reference_run": True, "cpu_capability": capability, "rows": rows, "labels": labels,
-                "test_examples": {d: 100 for d in domains}, "readme_preset": README_PRESET,
+                "test_examples": {d: 100 for d in domains},
+                "readme_preset": {"preset_best": ["preset: best (50 prompts per domain)", *README_PRESET["preset_best"]],
+                                  "preset_best_synth": ["preset: best + 450", *README_PRESET["preset_best_synth"]]},
                 "preset_config": "/w/demo_best.yml", "preset_output_dir": "/w/merged_best"}
 
     same = markdown_table(result("AVX2", [42.0, 100.0, 60.0]), domains)
     assert "trained with torch's AVX2 CPU kernels" in same and "this is that family" in same
     assert AVX2_ENV not in same
     assert ("preset: best (50 prompts per domain): 25.8 / 100 / 54.3 (seed 0: 33 / 100 / 57); "
-            "this run (seed 0): 33 / 100 / 57") in same
+            "this run (seed 0): 33 / 100 / 57; preset: best + 450: 38.7 / 100 / 57.8 (seed 0: 39 / 100 / 58); "
+            "not run here (`mergekit-darts demo --all-rows` runs it)") in same
     other = markdown_table(result("AVX512", [44.0, 100.0, 68.0]), domains)
     assert "trained with torch's AVX512 CPU kernels" in other and "The experts score 44 / 100 / 68 here" in other
     assert f"start the demo as: {AVX2_ENV} mergekit-darts demo" in other

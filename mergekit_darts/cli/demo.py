@@ -32,8 +32,9 @@ def plan_lines(workdir: str, quick: bool, all_rows: bool = False) -> list:
              f"     {os.path.join(workdir, 'demo.yml')} -> {os.path.join(workdir, 'merged')}",
              f"  3. retrain the surgery for {len(surgery_rows(all_rows))} more variants"
              f"{'' if all_rows else f' (--all-rows: {len(surgery_rows(True))})'}, then `preset: best`",
-             f"     ({os.path.join(workdir, PRESET_YAML)}) with 50 prompts per domain and with "
-             f"{sizes.synthesize} more the base writes",
+             f"     ({os.path.join(workdir, PRESET_YAML)}) with 50 prompts per domain"
+             + (f" and with {sizes.synthesize} more the base writes" if all_rows else
+                f" (--all-rows: and with {sizes.synthesize} more)"),
              f"  4. score the base, the experts, the merge and every variant on {sizes.test} test problems per domain;",
              f"     write {os.path.join(workdir, 'results.md')}, results.json and darts_bias.png"]
     if os.path.exists(os.path.join(workdir, "results.md")):
@@ -52,7 +53,8 @@ def plan_lines(workdir: str, quick: bool, all_rows: bool = False) -> list:
 @click.option("--quick", is_flag=True, help="A reduced run (smaller family, fewer steps and test problems).")
 @click.option("--all-rows", is_flag=True,
               help="Also retrain the paper's ablations and the quality options that docs/results.md#the-demo "
-                   "holds (seven more surgeries; longer).")
+                   "holds (seven more surgeries) and `preset: best` with 450 prompts the base writes per domain "
+                   "(synthesize); well over the default run's time.")
 @click.option("--quiet", is_flag=True, help="No progress bars (the stage lines and tables are still printed). "
                                             "When stderr is not a terminal, long stages print a line every few "
                                             "seconds there instead of a bar; --quiet turns that off too.")
@@ -71,7 +73,11 @@ def demo_command(workdir: str, seed: int, quick: bool, all_rows: bool, quiet: bo
         click.echo(line)
     from mergekit_darts.settings import stderr_is_terminal
 
+    from transformers.utils import logging as hf_logging
+
     terminal = stderr_is_terminal()
+    if quiet or not terminal:  # transformers' bar of every model load, one per row scored, in a log file
+        hf_logging.disable_progress_bar()
     result = run_demo(workdir, seed=seed, quick=quick, log=click.echo, all_rows=all_rows,
                       progress=not quiet and terminal, lines=not quiet and not terminal)
     click.echo(f"Results: {os.path.join(os.path.abspath(workdir), 'results.md')} (and results.json, "

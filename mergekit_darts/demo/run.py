@@ -19,7 +19,6 @@ from mergekit_darts.demo import tasks
 from mergekit_darts.demo.evaluate import score_model
 from mergekit_darts.demo.family import FAMILY_VERSION, THREADS, FamilySpec, build_family
 from mergekit_darts.demo.table import README_PRESET, markdown_table
-from mergekit_darts.presets import PRESETS
 
 MAIN = ("darts_ewl1", "DARTS + EWL1", {"method": "darts", "loss": "ewl1"})  # the README's example config
 # The paper's ablations and quality options that docs/results.md#the-demo holds, measured on this family
@@ -60,6 +59,12 @@ PRESET_ROWS = [
     ("preset_best", "preset: best (50 prompts per domain)", None),
     ("preset_best_synth", "preset: best + 450 prompts the base writes (synthesize)", "synthesize"),
 ]
+
+
+def preset_rows(all_rows: bool = False) -> list:
+    """The preset rows a run trains: writing and answering 450 prompts per domain and training on them
+    does not fit the default run's 10 minutes on 2 cores, so the synthesize row comes with all_rows."""
+    return PRESET_ROWS if all_rows else [row for row in PRESET_ROWS if row[2] is None]
 VARIANTS_DIR, PRESET_DIR, PRESET_YAML = "variants", "merged_best", "demo_best.yml"  # in the workdir
 
 
@@ -114,8 +119,6 @@ def merge_yaml(workdir: str, paths: Dict[str, str], seed: int, sizes: DemoSizes,
         lines.append(f"  preset: {preset}")
         if sizes.preset_steps is not None:
             lines.append(f"  steps: {sizes.preset_steps}")
-        if sizes.family.hidden_size < PRESETS[preset]["rank"]:  # a reduced family is narrower than the preset's rank
-            lines.append(f"  rank: {sizes.family.hidden_size}")
     lines += [
         f"  max_positions: {sizes.family.seq_len}",
         f"  seed: {seed}",
@@ -280,7 +283,7 @@ def _run_demo(workdir, seed, quick, sizes, progress, log, lines, all_rows) -> di
     # what the README recommends, from YAMLs that say `preset: best`; the 50-prompt one runs last, in
     # its own folder, and stays there as the recommended recipe's output
     preset_out = os.path.join(workdir, PRESET_DIR)
-    for key, label, written in sorted(PRESET_ROWS, key=lambda row: row[2] is None):
+    for key, label, written in sorted(preset_rows(all_rows), key=lambda row: row[2] is None):
         preset_config = merge_yaml(workdir, paths, seed, sizes, preset="best",
                                    synthesize=getattr(sizes, written) if written else 0)
         target = variants if written else shutil.copytree(out, preset_out)
@@ -295,8 +298,9 @@ def _run_demo(workdir, seed, quick, sizes, progress, log, lines, all_rows) -> di
         tick(key)
     shutil.rmtree(variants, ignore_errors=True)
     # the table in PRESET_ROWS' order (the synthesize row ran first, in the scratch copy)
-    rows = {**{k: v for k, v in rows.items() if k not in README_PRESET}, **{k: rows[k] for k, _, _ in PRESET_ROWS}}
-    reports = {**{k: v for k, v in reports.items() if k not in README_PRESET}, **{k: reports[k] for k, _, _ in PRESET_ROWS}}
+    shown = [key for key, _, _ in preset_rows(all_rows)]
+    rows = {**{k: v for k, v in rows.items() if k not in README_PRESET}, **{k: rows[k] for k in shown}}
+    reports = {**{k: v for k, v in reports.items() if k not in README_PRESET}, **{k: reports[k] for k in shown}}
     # one figure for every variant, so the KL one the README recommends is seen next to the paper's
     from mergekit_darts.repair.report.plot import plot_bias
 
@@ -320,8 +324,8 @@ def _run_demo(workdir, seed, quick, sizes, progress, log, lines, all_rows) -> di
                     "held_out_calibration": (reports[ROUTED[0]].get("router") or {}).get("accuracy")},
         "samples": samples, "timings_s": timings, "output_dir": out, "config": config_path,
         "preset_output_dir": preset_out, "preset_config": os.path.join(workdir, PRESET_YAML), "all_rows": all_rows,
-        # what the README says of the preset rows: (six-seed mean, seed 0), math / code / instruct
-        "readme_preset": README_PRESET,
+        # what the README says of the preset rows: [label, six-seed mean, seed 0], math / code / instruct
+        "readme_preset": {key: [label, *README_PRESET[key]] for key, label, _ in PRESET_ROWS},
         # the README's own run (seed 0, full size): its rows are the README's when the kernels are too
         "reference_run": seed == 0 and sizes == DemoSizes(),
         # every variant's report, so darts_bias.png can be redrawn: plot_bias(result["reports"], path)

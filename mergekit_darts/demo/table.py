@@ -57,13 +57,15 @@ def _scores(scores: Dict[str, float], domains: List[str]) -> str:
 
 
 def preset_note(result: dict, domains: List[str]) -> List[str]:
-    """What the README says of the ``preset: best`` rows, beside what this run scored."""
+    """What the README says of the ``preset: best`` rows, beside what this run scored (or how to run it)."""
     claims = result.get("readme_preset") or {}
-    shown = [(key, result["labels"][key], claim) for key, claim in claims.items() if key in result["rows"]]
-    if not shown:
+    if not claims:
         return []
-    parts = [f"{label}: {mean} (seed 0: {seed_0}); this run (seed {result['seed']}): "
-             f"{_scores(result['rows'][key], domains)}" for key, label, (mean, seed_0) in shown]
+    parts = []
+    for key, (label, mean, seed_0) in claims.items():
+        scored = (f"this run (seed {result['seed']}): {_scores(result['rows'][key], domains)}" if key in result["rows"]
+                  else "not run here (`mergekit-darts demo --all-rows` runs it)")
+        parts.append(f"{label}: {mean} (seed 0: {seed_0}); {scored}")
     return ["The README's figures for `preset: best` on this demo (" + " / ".join(domains) + "; six-seed means, "
             f"the {REFERENCE_KERNELS} kernels' family, docs/quality.md): " + "; ".join(parts) + ". "
             f"Its YAML: {os.path.basename(result['preset_config'])}; its output: "
