@@ -1,8 +1,10 @@
-"""The demo end to end: data → tiny family → mergekit YAML → merge + surgery → ablations → Table 1.
+"""The demo end to end: data → tiny family → mergekit YAML → merge + surgery → other surgeries and
+``preset: best`` → the score table.
 
 ``run_demo(workdir, seed)`` goes through the same code path as ``mergekit-yaml`` (the pipeline's
-``merge_and_repair``), then re-runs only the surgery for each ablation (``run_surgery`` with
-overrides; hidden states are cached on disk, so each rerun is a few seconds) and scores every
+``merge_and_repair``), then re-runs only the surgery for each other row on a copy of the merge
+(``run_surgery`` with overrides; hidden states are cached on disk, so each rerun is seconds), then
+``preset: best`` from a YAML that says so (``demo_best.yml`` → ``merged_best/``), and scores every
 variant on the held-out test sets with greedy decoding.
 """
 
