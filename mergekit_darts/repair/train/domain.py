@@ -92,7 +92,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         weight_decay=surgery.weight_decay, batch_size=surgery.batch_size, seed=settings.seed,
         expert_head=data.expert_head.to(device, torch.float32) if kl else None,
         merged_head=merged_head.to(device, torch.float32) if kl else None,
-        chunk_size=surgery.kl_chunk_size, progress=settings.progress, desc=f"surgery[{name}]",
+        chunk_size=surgery.kl_chunk_size, progress=settings.progress, lines=settings.stage_lines, desc=f"surgery[{name}]",
         refit=on_device(rows["refit"]) if surgery.refit and rows["validation"].numel() else None,
         kl_options={"kl_target": surgery.kl_target, "kl_top_k": surgery.kl_top_k,
                     "kl_precision": surgery.kl_precision, "kl_positions_per_step": surgery.kl_positions_per_step},

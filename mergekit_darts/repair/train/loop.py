@@ -10,8 +10,8 @@ import logging
 from typing import Callable, List, Optional
 
 import torch
-from tqdm.auto import tqdm
 
+from mergekit_darts.console import progress_bar
 from mergekit_darts.repair.train.kl import build_kl_target, kl_to_target, prepare_head
 from mergekit_darts.repair.train.losses import ENTROPY_WEIGHTED, LOSSES, DEFAULT_CHUNK, surgery_loss
 from mergekit_darts.remote_code.surgery import DomainSurgery
@@ -60,6 +60,7 @@ def train_surgery(
     kl_precision: str = "float32",
     kl_positions_per_step: Optional[int] = None,
     progress: bool = False,
+    lines: bool = False,
     desc: str = "surgery",
     weight_decay: float = 0.0,
     on_step: Optional[Callable[[int, DomainSurgery], bool]] = None,
@@ -72,7 +73,8 @@ def train_surgery(
     ``merged_head`` ([V, H]). The module moves to ``merged.device``.
     ``weight_decay > 0`` uses AdamW (decoupled decay on every parameter of the correction).
     ``on_step(steps_done, module)`` is called after each step; returning True stops training
-    (early stopping, train/selection.py).
+    (early stopping, train/selection.py). ``progress``: a tqdm bar; ``lines``: a line every few seconds
+    instead (stderr is a log file; console.ProgressLines).
 
     KL at scale (train/kl.py): ``kl_target`` "topk"/"bf16" computes the expert's distribution
     once; ``kl_precision="mixed"`` uses bfloat16 logit matmuls on CUDA; ``kl_positions_per_step`` draws
@@ -95,7 +97,8 @@ def train_surgery(
                            kl_positions_per_step, kl_chunk_size, generator)
 
     history: List[float] = []
-    for step in tqdm(range(steps), desc=desc, disable=not progress, leave=False):
+    bar = progress_bar(steps, desc, bars=progress, lines=lines, unit="steps")
+    for step in range(steps):
         index = batches.next()  # None: the whole set
         corrected = surgery(_take(merged, index).float(), _take(position_ids, index))
         if scaled is not None:
@@ -108,8 +111,10 @@ def train_surgery(
         value.backward()
         optimizer.step()
         history.append(float(value.detach()))
+        bar.update(1)
         if on_step is not None and on_step(step + 1, surgery):
             break
+    bar.close()
     surgery.eval()
     if history:
         LOG.info("%s: loss %.5f -> %.5f after %d steps", desc, history[0], history[-1], len(history))

@@ -79,7 +79,7 @@ class EarlyStopping:
 def fit(make_module: Callable[[], Any], train_data: Dict[str, torch.Tensor],
         validation: Optional[Dict[str, torch.Tensor]], *, loss: str, steps: int, lrs: Sequence[float],
         early_stopping: bool, eval_every: int, patience: int, weight_decay: float, batch_size, seed: int,
-        expert_head, merged_head, chunk_size: int, progress: bool, desc: str,
+        expert_head, merged_head, chunk_size: int, progress: bool, desc: str, lines: bool = False,
         refit: Optional[Dict[str, torch.Tensor]] = None,
         kl_options: Optional[Dict[str, Any]] = None) -> FitResult:
     """Train one module per lr in ``lrs`` (each from the same seeded initialisation) and keep the one
@@ -102,7 +102,7 @@ def fit(make_module: Callable[[], Any], train_data: Dict[str, torch.Tensor],
             module, data["merged"], data["target"], data["mask"], data["position_ids"],
             entropy=data["entropy"], loss=loss, steps=steps_, lr=lr, batch_size=batch_size, seed=seed,
             expert_head=expert_head, merged_head=merged_head, kl_chunk_size=chunk_size,
-            progress=progress, desc=f"{desc} {label}", weight_decay=weight_decay, on_step=on_step,
+            progress=progress, lines=lines, desc=f"{desc} {label}", weight_decay=weight_decay, on_step=on_step,
             **kl_options,
         )
 
