@@ -95,24 +95,148 @@ def qwen2_family(tmp_path_factory):
     return paths
 
 
-def test_qwen2_steps_0_equals_mergekit_extract_lora_and_reports_the_bias_deltas(qwen2_family, tmp_path):
+@pytest.fixture(scope="module")
+def qwen2_extract(qwen2_family, tmp_path_factory):
+    """The tiny Qwen2 merge with ``adapter_init: delta``, ``steps: 0``, every block, captured in bfloat16:
+    the extract with the q/k/v bias deltas (linear content, no position table: it bakes and exports)."""
+    return _run(qwen2_family, tmp_path_factory.mktemp("qwen2_extract"), steps=0, adapter_init="delta", head_rank=2,
+                content="linear", method="standard", dtype="bfloat16")
+
+
+def test_qwen2_steps_0_equals_mergekit_extract_lora_with_the_bias_deltas(qwen2_extract, qwen2_family, tmp_path):
     """Qwen2, captured in bfloat16: the blocks and the head (read from the files in float32, not from
-    the bfloat16 capture of the heads) equal mergekit-extract-lora's lora_B·lora_A; the q/k/v bias
-    deltas the tool writes as lora_B.bias are not carried by the adapters, and the report says so."""
+    the bfloat16 capture of the heads) equal mergekit-extract-lora's lora_B·lora_A, and the adapters on
+    q/k/v carry the bias deltas the tool writes as lora_B.bias (``up.bias``); no other adapter has a bias."""
     from safetensors.torch import load_file
 
-    out, report = _run(qwen2_family, tmp_path, steps=0, adapter_init="delta", head_rank=2, content="linear",
-                       method="standard", dtype="bfloat16")
+    out, report = qwen2_extract
     darts = load_file(f"{out}/darts.safetensors")
     for domain in ("math", "code"):
         lora = _extract_lora(qwen2_family[domain], qwen2_family["merged"], str(tmp_path / domain), rank=2)
         assert _assert_products_equal(darts, lora, domain) == 2 * 7 + 1
         biases = {name: tensor for name, tensor in lora.items() if name.endswith("lora_B.bias")}
         assert len(biases) == 2 * 3  # q, k, v of both blocks
-        assert not any(name.startswith(f"darts.{domain}.blocks.") and name.endswith(".bias") for name in darts)
-        dropped = report["domains"][domain]["baseline"]["bias_deltas_not_carried"]
-        assert dropped["linears"] == 6
-        assert dropped["largest_abs"] == pytest.approx(max(float(t.abs().max()) for t in biases.values()), rel=1e-5)
+        carried = {name for name in darts if name.startswith(f"darts.{domain}.blocks.") and name.endswith(".bias")}
+        assert len(carried) == len(biases)
+        for name, tensor in biases.items():
+            layer, path = name.removeprefix("base_model.model.model.layers.").removesuffix(".lora_B.bias").split(".", 1)
+            key = f"darts.{domain}.blocks.{layer}.{path}.up.bias"
+            assert key in carried and bool(tensor.any())
+            torch.testing.assert_close(darts[key], tensor.float(), atol=1e-6, rtol=1e-5)
+        baseline = report["domains"][domain]["baseline"]
+        assert baseline["bias_linears"] == 6 and "bias_deltas_not_carried" not in baseline
+        assert baseline["parameters"] == sum(t.numel() for key, t in darts.items()
+                                             if key.startswith((f"darts.{domain}.blocks.", f"darts.{domain}.head_")))
+
+
+def _qwen2_ids(model):
+    return torch.randint(4, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def test_qwen2_output_with_biases_loads_and_an_older_one_without_them_too(qwen2_extract, tmp_path, caplog):
+    """The emitted Qwen2 (depth: all) loads with trust_remote_code; its adapters' biases change the
+    logits and a mixed-domain batch adds each domain's bias to its own rows only. A directory written
+    before the adapters had biases (no up.bias tensors) loads without a word about missing tensors and
+    computes what it always did: the same adapters with no bias."""
+    import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from helpers import logits_of
+
+    out, _ = qwen2_extract
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    adapter = model.darts["math"].blocks["1"]["self_attn"]["q_proj"]
+    assert adapter.up.bias is not None and bool(adapter.up.bias.any())
+    assert model.darts["math"].blocks["1"]["self_attn"]["o_proj"].up.bias is None
+    ids = _qwen2_ids(model)
+    per_domain = {name: logits_of_domain(model, ids, name) for name in ("math", "code", "none")}
+    with torch.no_grad():
+        mixed = model(input_ids=ids, darts_domain=["code", "math"]).logits.float()
+    torch.testing.assert_close(mixed[0], per_domain["code"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[1], per_domain["math"][1], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        mixed_plain = model(input_ids=ids, darts_domain=["math", "none"]).logits.float()
+    torch.testing.assert_close(mixed_plain[1], per_domain["none"][1], atol=1e-5, rtol=1e-5)
+
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    tensors = load_file(f"{old}/darts.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".up.bias")}, f"{old}/darts.safetensors",
+              metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING):
+        legacy, info = AutoModelForCausalLM.from_pretrained(str(old), trust_remote_code=True, dtype=torch.float32,
+                                                            output_loading_info=True)
+    legacy.eval()
+    assert not [key for key in info["missing_keys"] if key.startswith("darts.")]
+    assert "darts.* tensors" not in caplog.text
+    for _, _, block in legacy.darts["math"].block_adapters():
+        assert block.up.bias is None or not bool(block.up.bias.any())
+    with torch.no_grad():  # the same adapters without their biases: what the older directory meant
+        for surgery in model.darts.values():
+            for _, _, block in surgery.block_adapters():
+                if block.up.bias is not None:
+                    block.up.bias.zero_()
+    for name in ("math", "code"):
+        expected = logits_of_domain(model, ids, name)
+        assert torch.equal(logits_of_domain(legacy, ids, name), expected)
+        assert not torch.allclose(expected, per_domain[name], atol=1e-4)  # the biases mattered
+
+
+def logits_of_domain(model, ids, domain):
+    with torch.no_grad():
+        return model(input_ids=ids, darts_domain=domain).logits.float()
+
+
+def test_qwen2_extract_bakes_and_exports_with_its_biases(qwen2_extract, tmp_path):
+    """bake folds the adapters' biases into q/k/v's biases; export-peft writes them as lora_B.bias with
+    lora_bias: true, and PEFT's logits equal the remote-code model's (its merge_and_unload refuses a
+    lora_bias target without a base bias, which the o_proj/MLP/lm_head targets are)."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_same_logits, logits_of
+    from mergekit_darts.output.bake import bake
+    from mergekit_darts.output.peft_export import export_peft
+
+    out, _ = qwen2_extract
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain="math",
+                                                  dtype=torch.float32).eval()
+    ids = _qwen2_ids(remote)
+    expected = logits_of(remote, ids)
+    bake(out, "math", str(tmp_path / "baked"))
+    baked = AutoModelForCausalLM.from_pretrained(str(tmp_path / "baked"), dtype=torch.float32).eval()
+    assert_same_logits(logits_of(baked, ids), expected)
+
+    summary = export_peft(out, str(tmp_path / "adapters"))
+    assert summary["math"]["lora_bias"] and summary["math"]["block_modules"] == 14
+    folder = tmp_path / "adapters" / "math"
+    assert json.loads((folder / "adapter_config.json").read_text())["lora_bias"] is True
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "adapters" / "base-model"), dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, str(folder)).eval()
+    assert_same_logits(logits_of(model, ids), expected)
+    with pytest.raises(RuntimeError, match="lora_bias"):
+        model.merge_and_unload()
+
+
+def test_qwen2_adapter_biases_train_from_zero(qwen2_family, tmp_path):
+    """With the identity start the q/k/v adapters' biases start at zero and train like the factors
+    (the run's darts_report.json counts them in the module's parameters); no other adapter has one."""
+    from safetensors.torch import load_file
+
+    out, report = _run(qwen2_family, tmp_path, steps=5, no_regret="false")
+    darts = load_file(f"{out}/darts.safetensors")
+    for domain in ("math", "code"):
+        biases = {key: t for key, t in darts.items()
+                  if key.startswith(f"darts.{domain}.blocks.") and key.endswith(".bias")}
+        assert {key.rsplit(".", 3)[-3] for key in biases} == {"q_proj", "k_proj", "v_proj"} and len(biases) == 6
+        assert all(bool(t.any()) for t in biases.values())
+        assert report["domains"][domain]["parameters"] == sum(t.numel() for key, t in darts.items()
+                                                              if key.startswith(f"darts.{domain}."))
 
 
 def test_untrained_extract_is_the_reported_baseline(extract_output):

@@ -381,7 +381,8 @@ def test_replaying_the_last_blocks_matches_every_architecture(arch):
 @pytest.mark.parametrize("arch", ["Mistral", "Mixtral", "Qwen2", "Phi3", "Gemma"])
 def test_emitted_classes_apply_block_adapters(arch):
     """Each Darts class builds the adapters from its own blocks and applies them like the by-hand
-    computation (per-row domains included)."""
+    computation (per-row domains included). Adapters on linears with a bias (Qwen2's q/k/v) have one,
+    added to their own domain's rows only."""
     from mergekit_darts.remote_code.modeling_darts import DARTS_CLASSES
     from mergekit_darts.remote_code.surgery import SurgeryShape
 
@@ -393,10 +394,14 @@ def test_emitted_classes_apply_block_adapters(arch):
     model.load_state_dict(plain.state_dict(), strict=False)
     model.float().eval()
     torch.manual_seed(1)
+    biased = {path for _, path, adapter in model.darts["math"].block_adapters() if adapter.up.bias is not None}
+    assert biased == ({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"} if arch == "Qwen2" else set())
     with torch.no_grad():
         for surgery in model.darts.values():
             for _, _, adapter in surgery.block_adapters():
                 adapter.up.weight.normal_(0, 0.5)
+                if adapter.up.bias is not None:
+                    adapter.up.bias.normal_(0, 0.5)
     ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         mixed = model(ids, darts_domain=["code", "math"]).logits.float()

@@ -99,3 +99,6 @@ def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: b
         targets += [f"rank {summary['shape'].depth_rank} on {summary['block_modules']} block linears"] if summary[
             "block_modules"] else []
         click.echo(f"{name}: LoRA {' + '.join(targets)} -> {os.path.join(dest, name)}")
+        if summary.get("lora_bias"):
+            click.echo(f"{name}: the adapters carry biases (lora_bias: true): PEFT applies them, but its "
+                       "merge_and_unload refuses targets without a base bias; `mergekit-darts bake` folds them")

@@ -6,7 +6,8 @@ With ``content: linear`` the corrected state is ``ĥ = (I − U·D)·h`` and the
 adds a position-dependent term and cannot be folded; a ReLU content correction is not linear. Both are
 the *final-state correction*: ``--drop-final-state-correction`` drops it whole (``output/dropped.py``
 says what that leaves out), so the head becomes ``W + H_u·H_d``. Block adapters (``depth``,
-``y = W·x + A_up·A_down·x``) fold exactly into their linears: ``W + A_up·A_down``.
+``y = W·x + A_up·A_down·x``) fold exactly into their linears: ``W + A_up·A_down``, and an adapter's bias
+(on a linear with a bias, Qwen2's q/k/v) into the linear's bias.
 
 The baked directory is the merge's own architecture: no ``auto_map``, no ``darts`` entry, no remote
 code. Tensors are streamed one at a time from the merged shards (``safe_open``) into new safetensors
@@ -20,7 +21,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -53,6 +54,9 @@ class DomainFold:
     dropped_position_bias: bool
     # depth > 0: {"<layer>.<path in the block>": (down [r × in], up [out × r])}
     blocks: Optional[Dict[str, tuple]] = None
+    # the adapters' biases (``up.bias`` [out], on linears with a bias), by the same names; a directory
+    # written before adapters had biases has none (they are zero)
+    block_biases: Optional[Dict[str, torch.Tensor]] = None
     dropped_final_state: bool = False  # up/down are then None: the head keeps only H_u·H_d
 
     @property
@@ -83,26 +87,29 @@ def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False
             if key not in available:
                 raise FormatError(f"{shard}: missing tensor {key}")
             tensors[name] = handle.get_tensor(key).float()
-        blocks = _block_factors(handle, available, domain, shard) if shape.depth else None
+        blocks, biases = _block_factors(handle, available, domain, shard) if shape.depth else (None, None)
     return DomainFold(domain=domain, shape=shape, up=tensors.get("up.weight"), down=tensors.get("down.weight"),
                       head_up=tensors.get("head_up.weight"), head_down=tensors.get("head_down.weight"),
-                      dropped_position_bias=shape.method == "darts", blocks=blocks,
+                      dropped_position_bias=shape.method == "darts", blocks=blocks, block_biases=biases,
                       dropped_final_state=drop_final_state)
 
 
-def _block_factors(handle, available, domain: str, shard: str) -> Dict[str, tuple]:
+def _block_factors(handle, available, domain: str, shard: str) -> Tuple[Dict[str, tuple], Dict[str, torch.Tensor]]:
+    """({name: (down, up)}, {name: up.bias} of the adapters that have one)."""
     prefix = layout.darts_tensor_name(domain, "blocks.")
     names = sorted(key[len(prefix):-len(".down.weight")] for key in available
                    if key.startswith(prefix) and key.endswith(".down.weight"))
     if not names:
         raise FormatError(f"{shard}: no block adapter tensors ({prefix}*) for a depth output")
-    factors = {}
+    factors, biases = {}, {}
     for name in names:
         up_key = f"{prefix}{name}.up.weight"
         if up_key not in available:
             raise FormatError(f"{shard}: missing tensor {up_key}")
         factors[name] = (handle.get_tensor(f"{prefix}{name}.down.weight").float(), handle.get_tensor(up_key).float())
-    return factors
+        if f"{prefix}{name}.up.bias" in available:
+            biases[name] = handle.get_tensor(f"{prefix}{name}.up.bias").float()
+    return factors, biases
 
 
 def check_foldable(shape: SurgeryShape, drop_position_bias: bool, drop_final_state: bool = False) -> None:
@@ -168,14 +175,15 @@ def folded_head(head: torch.Tensor, fold: DomainFold) -> torch.Tensor:
     return out
 
 
-def block_weight_name(name: str) -> str:
-    """The merged weight of the linear that block adapter ``<layer>.<path>`` sits on."""
-    return f"model.layers.{name}.weight"
+def block_weight_name(name: str, part: str = "weight") -> str:
+    """The merged weight (or ``part="bias"``: bias) of the linear that block adapter ``<layer>.<path>`` sits on."""
+    return f"model.layers.{name}.{part}"
 
 
 @torch.no_grad()
 def folded_block_weights(out_dir: str, fold: DomainFold) -> Dict[str, torch.Tensor]:
-    """Every adapted linear's ``W + A_up·A_down`` (float64, cast to W's dtype): the adapter folded in."""
+    """Every adapted linear's ``W + A_up·A_down`` (float64, cast to W's dtype) and, where the adapter has
+    a bias, the linear's ``b + b_A``: the adapter folded in."""
     names = layout.merged_weight_map(out_dir)
     folded = {}
     for name, (down, up) in sorted((fold.blocks or {}).items()):
@@ -188,6 +196,15 @@ def folded_block_weights(out_dir: str, fold: DomainFold) -> Dict[str, torch.Tens
             raise FormatError(f"{out_dir}: {key} is {tuple(weight.shape)}, its adapter is "
                               f"{up.shape[0]} × {down.shape[1]}")
         folded[key] = (weight.double() + up.double() @ down.double()).to(weight.dtype)
+    for name, bias in sorted((fold.block_biases or {}).items()):
+        key = block_weight_name(name, "bias")
+        if key not in names:
+            raise FormatError(f"{out_dir}: the block adapter {name} of domain {fold.domain!r} has a bias but the "
+                              f"merge has no {key} to fold it into")
+        merged = read_merged_tensor(out_dir, key)
+        if tuple(merged.shape) != tuple(bias.shape):
+            raise FormatError(f"{out_dir}: {key} is {tuple(merged.shape)}, its adapter's bias {tuple(bias.shape)}")
+        folded[key] = (merged.double() + bias.double()).to(merged.dtype)
     return folded
 
 

@@ -18,7 +18,12 @@ servers all find a separate ``lm_head`` matrix that the LoRA changes without tou
 A ``depth: k`` output's block adapters (``y + up(down(x))`` on the last k blocks' linears) are LoRAs
 already: they go into the same adapter as ``model.layers.<i>.<path>`` targets (scaling 1, their rank
 in ``r``, the head's in ``rank_pattern``), so PEFT — or a server that loads PEFT LoRAs on those
-projections — reproduces the domain without remote code.
+projections — reproduces the domain without remote code. Adapters on linears with a bias (Qwen2's
+q/k/v) have a bias of their own: it is written as ``lora_B.bias``, as ``mergekit-extract-lora`` writes
+bias deltas, with ``lora_bias: true`` in adapter_config.json. PEFT's ``lora_bias`` holds for every
+target, so every other target gets a zero ``lora_B.bias``; PEFT's forward is then exact, but its
+``merge_and_unload`` refuses targets whose base layer has no bias (o_proj, the MLP, ``lm_head``):
+``mergekit-darts bake`` is the merge of such an output.
 
 ``preset: best`` (ReLU content, position table, every block) has a final-state correction with no
 weight form: ``drop_final_state`` (``--drop-final-state-correction``) exports the rest — the block
@@ -74,20 +79,31 @@ def lora_factors(head: torch.Tensor, fold: DomainFold):
 
 def block_lora_tensors(fold: DomainFold) -> Dict[str, torch.Tensor]:
     """A depth output's block adapters under PEFT's names: the adapter on ``model.layers.<i>.<path>``
-    (``y + up(down(x))``) is exactly a LoRA with ``lora_A = down``, ``lora_B = up`` and scaling 1."""
+    (``y + up(down(x))``) is exactly a LoRA with ``lora_A = down``, ``lora_B = up`` and scaling 1; with
+    biases (``has_lora_bias``) every adapter's ``lora_B.bias`` too, zero where the adapter has none."""
     tensors = {}
+    biases = fold.block_biases or {}
     for name, (down, up) in (fold.blocks or {}).items():
         module = f"base_model.model.model.layers.{name}"
         tensors[f"{module}.lora_A.weight"] = down.contiguous()
         tensors[f"{module}.lora_B.weight"] = up.contiguous()
+        if biases:
+            tensors[f"{module}.lora_B.bias"] = biases.get(name, torch.zeros(up.shape[0])).contiguous()
     return tensors
 
 
-def adapter_config(base_model: str, rank: int, block_modules: Sequence[str] = (), block_rank: int = 0) -> dict:
+def has_lora_bias(fold: DomainFold) -> bool:
+    """Whether the domain's adapter needs PEFT's ``lora_bias``: some block adapter has a bias."""
+    return bool(fold.block_biases)
+
+
+def adapter_config(base_model: str, rank: int, block_modules: Sequence[str] = (), block_rank: int = 0,
+                   lora_bias: bool = False) -> dict:
     """PEFT's adapter_config.json for a LoRA on ``lm_head`` with scaling 1 (keys PEFT 0.21 writes;
     absent optional keys take PEFT's defaults). ``block_modules`` (depth outputs): full module names
     inside the decoder that carry rank-``block_rank`` LoRAs, also with scaling 1. ``rank`` 0: no
-    ``lm_head`` target (block adapters only)."""
+    ``lm_head`` target (block adapters only). ``lora_bias``: every ``lora_B`` has a bias (only then is
+    the key written)."""
     patterns = {}
     head = ["lm_head"] if rank else []
     if block_modules:  # r / lora_alpha are the blocks'; the head's own rank goes in the patterns
@@ -114,6 +130,7 @@ def adapter_config(base_model: str, rank: int, block_modules: Sequence[str] = ()
         "rank_pattern": dict(patterns),
         "alpha_pattern": dict(patterns),
         "revision": None,
+        **({"lora_bias": True} if lora_bias else {}),
     }
 
 
@@ -145,20 +162,24 @@ def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
             if fold.changes_head:
                 lora_b, lora_a = lora_factors(head, fold)
                 tensors.update({LORA_A_KEY: lora_a.contiguous(), LORA_B_KEY: lora_b.contiguous()})
+                if has_lora_bias(fold):  # PEFT gives every target a lora_B.bias: the head's is zero
+                    tensors[LORA_B_KEY.replace(".weight", ".bias")] = torch.zeros(lora_b.shape[0])
                 rank = lora_a.shape[0]
             folder = os.path.join(stage, fold.domain)
             os.makedirs(folder)
             save_file(tensors, os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
             block_modules = [f"model.layers.{name}" for name in sorted(fold.blocks or {})]
             layout.write_json(os.path.join(folder, ADAPTER_CONFIG),
-                              adapter_config(base_path, rank, block_modules, fold.shape.depth_rank))
+                              adapter_config(base_path, rank, block_modules, fold.shape.depth_rank,
+                                             lora_bias=has_lora_bias(fold)))
             kl = held_out_kl_note(out_dir, fold.domain)
             with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as handle:
                 handle.write(dropped.adapter_readme(fold.domain, fold.shape, hidden, len(block_modules), rank,
                                                     fold.dropped_final_state, fold.dropped_position_bias, kl))
             summaries[fold.domain] = {"rank": rank, "dropped_position_bias": fold.dropped_position_bias,
                                       "dropped_final_state": fold.dropped_final_state, "shape": fold.shape,
-                                      "hidden_size": hidden, "held_out_kl": kl, "block_modules": len(block_modules)}
+                                      "hidden_size": hidden, "held_out_kl": kl, "block_modules": len(block_modules),
+                                      "lora_bias": has_lora_bias(fold)}
         summaries[BASE_DIR] = base
 
     staged_directory(dest, write)

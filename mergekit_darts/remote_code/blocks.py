@@ -6,7 +6,10 @@ linear's output ``y = W x`` becomes ``y + up(down(x))`` (a LoRA with scaling 1),
 zero so an untrained adapter changes nothing. The adapters are stored under the domain's module as
 ``blocks.<layer index>.<path of the linear in its block>.{down,up}.weight``, i.e. the tensor of the
 adapter on ``model.layers.3.self_attn.q_proj`` of domain ``math`` is
-``darts.math.blocks.3.self_attn.q_proj.down.weight``.
+``darts.math.blocks.3.self_attn.q_proj.down.weight``. The adapter on a linear that has a bias (Qwen2's
+q/k/v) has one too, ``up.bias`` (PEFT's ``lora_B.bias``), zero at the start: ``y + up(down(x)) + b``.
+A directory written before adapters had biases has no ``up.bias`` tensors; they then load as zero
+(``modeling_darts.py``), which computes what that directory always did.
 """
 
 from typing import Dict, Iterator, Tuple
@@ -14,8 +17,9 @@ from typing import Dict, Iterator, Tuple
 import torch
 from torch import nn
 
-# {layer index: {path of a linear inside the block: (in_features, out_features)}}
-BlockTargets = Dict[int, Dict[str, Tuple[int, int]]]
+# {layer index: {path of a linear inside the block: (in_features, out_features, has a bias)}}; a
+# two-tuple (in_features, out_features) is read as a linear without a bias
+BlockTargets = Dict[int, Dict[str, Tuple]]
 
 
 def float32_linear(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
@@ -24,17 +28,21 @@ def float32_linear(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
     ``model.half()``) is upcast on the fly."""
     if layer.weight.dtype == torch.float32:
         return layer(inputs)
-    return nn.functional.linear(inputs, layer.weight.float())
+    bias = layer.bias
+    return nn.functional.linear(inputs, layer.weight.float(), None if bias is None else bias.float())
 
 
 class BlockAdapter(nn.Module):
-    """``delta(x) = up(down(x))`` in float32, added to one linear's output; ``up`` starts at zero."""
+    """``delta(x) = up(down(x))`` in float32, added to one linear's output; ``up`` starts at zero.
+    ``bias``: ``up`` has a bias (the adapted linear has one), also zero at the start."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int):
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False):
         super().__init__()
         self.down = nn.Linear(in_features, rank, bias=False)
-        self.up = nn.Linear(rank, out_features, bias=False)
+        self.up = nn.Linear(rank, out_features, bias=bias)
         nn.init.zeros_(self.up.weight)
+        if bias:
+            nn.init.zeros_(self.up.bias)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=inputs.device.type, enabled=False):
@@ -49,12 +57,12 @@ def _is_moe_router(block: nn.Module, path: str) -> bool:
 
 def block_linear_targets(layers: nn.ModuleList, depth: int) -> BlockTargets:
     """Every ``nn.Linear`` (quantized subclasses included) of the last ``depth`` decoder layers, but a
-    MoE router."""
+    MoE router, as ``(in_features, out_features, has a bias)``."""
     if not isinstance(depth, int) or not 0 < depth <= len(layers):
         raise ValueError(f"depth: must be between 1 and the model's {len(layers)} decoder layers, got {depth!r}")
     targets: BlockTargets = {}
     for index in range(len(layers) - depth, len(layers)):
-        linears = {path: (module.in_features, module.out_features)
+        linears = {path: (module.in_features, module.out_features, module.bias is not None)
                    for path, module in layers[index].named_modules()
                    if isinstance(module, nn.Linear) and not _is_moe_router(layers[index], path)}
         if not linears:
@@ -64,20 +72,21 @@ def block_linear_targets(layers: nn.ModuleList, depth: int) -> BlockTargets:
 
 
 def build_block_adapters(targets: BlockTargets, rank: int) -> nn.ModuleDict:
-    """Nested ModuleDicts mirroring the blocks' module paths, an adapter at each linear."""
+    """Nested ModuleDicts mirroring the blocks' module paths, an adapter at each linear (with a bias
+    where the linear has one)."""
     if not isinstance(rank, int) or rank <= 0:
         raise ValueError(f"depth_rank: must be a positive integer, got {rank!r}")
     blocks = nn.ModuleDict()
     for index, linears in targets.items():
         block = blocks[str(index)] = nn.ModuleDict()
-        for path, (in_features, out_features) in linears.items():
+        for path, (in_features, out_features, *bias) in linears.items():
             *parents, leaf = path.split(".")
             node = block
             for part in parents:
                 if part not in node:
                     node[part] = nn.ModuleDict()
                 node = node[part]
-            node[leaf] = BlockAdapter(in_features, out_features, rank)
+            node[leaf] = BlockAdapter(in_features, out_features, rank, bias=bool(bias and bias[0]))
     return blocks
 
 

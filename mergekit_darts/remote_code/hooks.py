@@ -256,7 +256,8 @@ def _row_selector(call: DartsCall, inputs: torch.Tensor) -> torch.Tensor:
 
 
 def _block_hook(module, args, output, *, layer_index: int, path: str):
-    """``y + up(down(x))`` of each row's domain on one linear of an adapted block."""
+    """``y + up(down(x))`` (``+ b`` where the adapter has a bias) of each row's domain on one linear of
+    an adapted block."""
     call = active_call()
     if call is None or call.layers is None:
         return output
@@ -265,17 +266,22 @@ def _block_hook(module, args, output, *, layer_index: int, path: str):
     inputs = args[0]
     surgeries = _surgeries(call)
 
-    def delta(surgery: DomainSurgery, x: torch.Tensor) -> torch.Tensor:
-        adapter = surgery.blocks[str(layer_index)].get_submodule(path)
+    def adapter_of(surgery: DomainSurgery):
+        return surgery.blocks[str(layer_index)].get_submodule(path)
+
+    def delta(adapter, x: torch.Tensor) -> torch.Tensor:
         device = _device_for(adapter.down, x.device)
         return adapter(x.to(device)).to(output.device)
 
     if call.domain is not None:
-        return output + delta(surgeries[call.domain], inputs).to(output.dtype)
+        return output + delta(adapter_of(surgeries[call.domain]), inputs).to(output.dtype)
     rows = _row_selector(call, inputs)
     total = None
     for index, surgery in enumerate(surgeries):  # other rows' inputs become 0: their delta is 0 exactly
-        part = delta(surgery, torch.where(rows == index, inputs, 0))
+        adapter, selected = adapter_of(surgery), rows == index
+        part = delta(adapter, torch.where(selected, inputs, 0))
+        if adapter.up.bias is not None:  # but for the bias: other rows' outputs become 0 as well
+            part = torch.where(selected.to(part.device), part, 0)
         total = part if total is None else total + part
     return output + total.to(output.dtype)
 

@@ -7,9 +7,9 @@ library's ``dataclasses``/``functools``/``threading``/``typing`` and each other 
 The corrected model is the plain ``<Arch>ForCausalLM`` whose LM head applies each row's domain's
 ``DomainSurgery`` ``s`` to its input (``h -> s(h, position_ids)``, then ``logits += s.head_correction``
 when ``head_rank > 0``) and, with ``depth: k``, whose last ``k`` decoder blocks add ``up(down(x))`` to
-each linear (blocks.py). The parent's ``forward`` (labels/loss, ``logits_to_keep``, KV cache, generate)
-is untouched; ``forward`` here only turns the call's ``darts_domain`` into tensors (``hooks.DartsCall``)
-that the attachments in hooks.py read.
+each linear (plus the adapter's bias on a linear with a bias; blocks.py). The parent's ``forward``
+(labels/loss, ``logits_to_keep``, KV cache, generate) is untouched; ``forward`` here only turns the
+call's ``darts_domain`` into tensors (``hooks.DartsCall``) that the attachments in hooks.py read.
 """
 
 from typing import Sequence
@@ -48,6 +48,9 @@ class DartsMixin:
     # add _keep_in_fp32_modules to the modules they do not convert, whatever llm_int8_skip_modules says.
     _keep_in_fp32_modules_strict = ["darts"]
     _keep_in_fp32_modules = ["darts"]
+    # Directories written before block adapters had biases have no ``up.bias`` tensors: those load as
+    # zero (_init_weights), the very output those directories always computed, without a warning.
+    _keys_to_ignore_on_load_missing = [r"^darts\.[^.]+\.blocks\..+\.up\.bias$"]
     # save_pretrained/push_to_hub copy this file and surgery.py and write auto_map, also when the class
     # was imported from the package rather than loaded as remote code
     _auto_class = "AutoModelForCausalLM"
@@ -150,6 +153,13 @@ class DartsMixin:
         elif isinstance(module, BlockAdapter):
             init.kaiming_uniform_(module.down.weight, a=5**0.5)
             init.zeros_(module.up.weight)
+            if module.up.bias is not None:
+                init.zeros_(module.up.bias)
+        elif isinstance(module, nn.Linear) and module.bias is not None and any(
+                module is child for child in self.darts.modules()):
+            # a block adapter's up (the only linear with a bias in darts), reached on its own when only its
+            # bias is missing (a directory written before adapters had biases): zero
+            init.zeros_(module.bias)
         elif not any(module is child for child in self.darts.modules()):
             super()._init_weights(module)
 

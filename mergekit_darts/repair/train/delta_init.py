@@ -5,7 +5,8 @@ A block adapter on a linear ``y = W_M x`` of the merge adds ``up(down(x))``; the
 ``W_E x``. The best rank-r start is the truncated SVD of ``W_E - W_M`` with the square roots of the
 singular values on each side: ``down = sqrt(S) V^T``, ``up = U sqrt(S)`` — exactly what
 ``mergekit-extract-lora --model EXPERT --base-model MERGED --max-rank r`` writes as ``lora_A`` /
-``lora_B`` for that linear (``tests/test_delta_init.py`` compares the two). The head correction
+``lora_B`` for that linear (``tests/test_delta_init.py`` compares the two), and on a linear with a
+bias (Qwen2's q/k/v) the adapter's bias ``up.bias`` is ``b_E - b_M``, the tool's ``lora_B.bias``. The head correction
 ``H_u H_d`` starts from the SVD of ``W_E - W_M`` of the LM heads the same way. With ``steps: 0`` this
 is the data-free extract every trained repair is compared with (``baseline`` in darts_report.json).
 
@@ -13,7 +14,6 @@ Tensors are read one at a time from the safetensors files (single file or sharde
 whole model: peak memory is one linear of each model and its float32 difference.
 """
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
@@ -23,8 +23,6 @@ from tqdm.auto import tqdm
 
 from mergekit_darts.errors import FormatError
 from mergekit_darts.weight_files import SafetensorsWeights
-
-LOG = logging.getLogger(__name__)
 
 # Up to this smaller side the SVD is exact (LAPACK / cuSOLVER), as mergekit-extract-lora computes it;
 # above it on a CPU, randomized (torch.svd_lowrank): an exact SVD of a 4096 x 11008 matrix takes tens
@@ -72,7 +70,7 @@ class DomainDeltas:
     """One domain's start: factors per adapted linear ``(layer index, path in the block)``, and the
     head's when the module has a head correction. ``biases``: the bias deltas (expert − merge) of the
     adapted linears that have a bias (Qwen2's q/k/v), which ``mergekit-extract-lora`` writes as
-    ``lora_B.bias``; the block adapters have no bias, so they are reported (``describe``), not carried."""
+    ``lora_B.bias``: the start of those adapters' own bias (``up.bias``)."""
 
     rank: int
     blocks: Dict[Linear, Factors] = field(default_factory=dict)
@@ -85,7 +83,7 @@ class DomainDeltas:
     def parameters(self) -> int:
         """Parameters of the extract: what it adds to the merge (the final-state correction stays identity)."""
         factors = list(self.blocks.values()) + ([self.head] if self.head is not None else [])
-        return sum(down.numel() + up.numel() for down, up in factors)
+        return sum(down.numel() + up.numel() for down, up in factors) + sum(b.numel() for b in self.biases.values())
 
     def empty_directions(self) -> int:
         """Adapter directions the deltas leave empty (started as a LoRA does: random down, zero up)."""
@@ -95,11 +93,8 @@ class DomainDeltas:
     def describe(self) -> Dict[str, object]:
         described = {"rank": self.rank, "linears": len(self.blocks), "head_rank": self.head_rank if self.head else 0,
                      "parameters": self.parameters, "svd": self.svd, "empty_directions": self.empty_directions()}
-        moved = {f"{index}.{path}": bias for (index, path), bias in self.biases.items() if bool(bias.any())}
-        if moved:  # said, not dropped silently: the adapters cannot carry a bias
-            described["bias_deltas_not_carried"] = {
-                "linears": len(moved), "largest_abs": float(max(float(b.abs().max()) for b in moved.values())),
-                "note": "the expert's bias deltas on the adapted linears; block adapters have no bias"}
+        if self.biases:  # adapted linears with a bias (none on Llama-like models: the key is then absent)
+            described["bias_linears"] = len(self.biases)
         return described
 
 
@@ -122,7 +117,7 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
     merged, expert = SafetensorsWeights(merged_dir), SafetensorsWeights(expert_dir)
     deltas = DomainDeltas(rank=rank, head_rank=head_rank)
     linears = [(index, path, shape) for index, paths in (targets or {}).items() for path, shape in paths.items()]
-    for index, path, (in_features, out_features) in tqdm(linears, desc=desc, disable=not progress, leave=False):
+    for index, path, (in_features, out_features, *_) in tqdm(linears, desc=desc, disable=not progress, leave=False):
         suffix = f"layers.{index}.{path}.weight"
         delta = expert.read(suffix).float() - merged.read(suffix).float()
         if tuple(delta.shape) != (out_features, in_features):
@@ -146,7 +141,7 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
 def _entry_shapes(targets, rank: int, head_rank: int, head_shape, biased) -> Dict[str, tuple]:
     shapes = {}
     for index, paths in (targets or {}).items():
-        for path, (in_features, out_features) in paths.items():
+        for path, (in_features, out_features, *_) in paths.items():
             shapes[f"blocks.{index}.{path}.down"] = ((rank, in_features), torch.float32)
             shapes[f"blocks.{index}.{path}.up"] = ((out_features, rank), torch.float32)
             if (index, path) in biased:
@@ -167,7 +162,8 @@ def cached_domain_deltas(cache_dir: Optional[str], merged_dir: str, expert_dir: 
 
     cache = CaptureCache(cache_dir)
     identity = {"merged": model_identity(merged_dir, cache.hashes), "expert": model_identity(expert_dir, cache.hashes)}
-    plain_targets = {str(index): {path: list(shape) for path, shape in paths.items()}
+    # (in, out) only: whether a linear has a bias is read from the merge's files below, as before
+    plain_targets = {str(index): {path: list(shape[:2]) for path, shape in paths.items()}
                      for index, paths in (targets or {}).items()}
     key = cache_key("extract", identity, torch.float32, targets=plain_targets, rank=rank, head_rank=head_rank,
                     svd=[device.type == "cuda", EXACT_SVD_MAX, LOWRANK_OVERSAMPLE, LOWRANK_ITERATIONS],
@@ -186,7 +182,7 @@ def cached_domain_deltas(cache_dir: Optional[str], merged_dir: str, expert_dir: 
     if entry is not None:
         deltas = DomainDeltas(rank=rank, head_rank=head_rank)
         for index, paths in (targets or {}).items():
-            for path, (in_features, out_features) in paths.items():
+            for path, (in_features, out_features, *_) in paths.items():
                 prefix = f"blocks.{index}.{path}"
                 deltas.blocks[(index, path)] = (entry[prefix + ".down"], entry[prefix + ".up"])
                 if (index, path) in biased:
@@ -233,12 +229,6 @@ def extract_start(name: str, surgery, settings, tail, merged_dir: Optional[str],
         if surgery.adapter_init == "delta":
             raise
         return None, f"the expert's weight deltas could not be read ({error})"
-    moved = deltas.describe().get("bias_deltas_not_carried")
-    if moved:  # said where the run's lines are read, and in darts_report.json
-        LOG.warning("surgery.domains.%s: the expert moved the biases of %d adapted linears (largest |change| "
-                    "%.3g); block adapters carry no bias, so the extract and the trained start leave them out "
-                    "(darts_report.json: baseline.bias_deltas_not_carried)", name, moved["linears"],
-                    moved["largest_abs"])
     return deltas, ""
 
 
@@ -248,9 +238,17 @@ def start_from_deltas(surgery, deltas: DomainDeltas) -> None:
     identity). A direction the deltas leave empty keeps the module's own start, a LoRA's (random
     ``down``, zero ``up``): the product is still the extract, and the direction trains — from two
     zero factors no gradient would ever move it (a linear the expert did not change, or the
-    directions past a low-rank delta's rank)."""
+    directions past a low-rank delta's rank). An adapter with a bias starts it at the bias delta."""
     pairs = [(adapter.down.weight, adapter.up.weight, deltas.blocks[(index, path)])
              for index, path, adapter in surgery.block_adapters()]
+    for index, path, adapter in surgery.block_adapters():
+        bias = deltas.biases.get((index, path))
+        if bias is None:
+            continue
+        if adapter.up.bias is None:  # the merge's files have a bias the model's linear lacks
+            raise ValueError(f"adapter_init: delta: layers.{index}.{path} has a bias in the merge's weight files "
+                             "but not in the model; the files and the model's config disagree")
+        adapter.up.bias.copy_(bias)
     if deltas.head is not None and surgery.head_down is not None:
         pairs.append((surgery.head_down.weight, surgery.head_up.weight, deltas.head))
     for down, up, (start_down, start_up) in pairs:
