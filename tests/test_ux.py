@@ -427,14 +427,14 @@ def test_the_demo_says_what_it_will_do_before_it_starts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first = plan_lines("./darts_demo", quick=False)  # the default --workdir
     assert first[0].startswith("mergekit-darts demo:") and "1. train a tiny Llama base and 3 experts" in first[1]
-    # issue 35 item 4: an estimate, in the present tense, from the measured 466 s (docs/results.md#times)
-    assert first[-1] == "  estimate: about 7.8 min on a 2-core CPU (first run, family trained; docs/results.md#times)"
-    assert "466 s" in open(os.path.join(REPO, "docs", "results.md")).read()
+    # issue 35 item 4: an estimate, in the present tense, from the measured 430 s (docs/results.md#times)
+    assert first[-1] == "  estimate: about 7.2 min on a 2-core CPU (first run, family trained; docs/results.md#times)"
+    assert "430 s" in open(os.path.join(REPO, "docs", "results.md")).read()
     (tmp_path / "darts_demo" / "family").mkdir(parents=True)
     (tmp_path / "darts_demo" / "family" / "family.json").write_text("{}")
     (tmp_path / "darts_demo" / "results.md").write_text("earlier")
     again = plan_lines("./darts_demo", quick=False)
-    assert "1. reuse a tiny Llama base" in again[1] and "estimate: about 3.9 min" in again[-1]
+    assert "1. reuse a tiny Llama base" in again[1] and "estimate: about 5.2 min" in again[-1]
     assert any("an earlier demo's results" in line for line in again)
     assert all(len(line) <= 100 for line in first + again)
 

@@ -6,10 +6,10 @@ import os
 import click
 
 # Wall seconds of `mergekit-darts demo` on this project's 2-core CPU machine, (first run, rerun with
-# the family reused): 466 s measured on 2026-12-01 with the cores shared (docs/results.md "Times"), and
-# that run less the 234 s its family training took. Printed as an estimate. --quick was timed only on
-# a machine loaded 9x over its cores (458 s, 580 s): not an estimate worth printing.
-MEASURED_S = {False: (466, 232), True: None}
+# the family reused): 430 s measured on 2026-12-03 with nothing else running, `preset: best` included
+# (docs/results.md "Times"), and that run less the 117 s its family training took. Printed as an
+# estimate. --quick was timed only on a machine loaded 9x over its cores: not an estimate worth printing.
+MEASURED_S = {False: (430, 313), True: None}
 
 
 def _minutes(seconds: float) -> str:
