@@ -83,6 +83,8 @@ def test_pipeline_exports_depth_and_the_emitted_model_matches_training(depth_out
     header = layout.safetensors_header(f"{out}/{layout.DARTS_SHARD}")
     assert "darts.math.blocks.1.self_attn.q_proj.down.weight" in header
     assert "darts.code.blocks.1.mlp.down_proj.up.weight" in header
+    # Llama's linears have no bias: neither do their adapters
+    assert not [key for key in header if ".blocks." in key and key.endswith(".bias")]
     assert read_darts_info(out)["depth"] == 1
     card = open(f"{out}/README.md").read()
     assert "rank-2 adapters on every linear of the last 1 decoder block(s)" in card
@@ -208,6 +210,8 @@ def test_export_peft_carries_block_adapters(tiny_family, tmp_path):
                              extra="  content: linear\n  method: standard\n  head_rank: 2\n"), str(out))
     summary = export_peft(str(out), str(tmp_path / "adapters"))
     assert summary["math"]["block_modules"] == 7 and summary["math"]["rank"] == 2 + 2
+    assert not summary["math"]["lora_bias"]  # no lora_bias key, no lora_B.bias: as before adapters had biases
+    assert "lora_bias" not in (tmp_path / "adapters" / "math" / "adapter_config.json").read_text()
     remote = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, darts_domain="math").eval()
     plain = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     ids = torch.randint(4, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
