@@ -42,7 +42,7 @@ def _calibration_overrides(config_source: str, overrides: dict):
 def run_variant(demo_dir: str, name: str, overrides: dict, score: bool, test=None) -> dict:
     import torch
 
-    from mergekit_darts.pipeline import capture_step, export_step, parse_config_source, router_step
+    from mergekit_darts.pipeline import capture_step, parse_config_source
     from mergekit_darts.repair.train.domain import train_domain
     from mergekit_darts.settings import RunSettings
 
@@ -76,20 +76,28 @@ def run_variant(demo_dir: str, name: str, overrides: dict, score: bool, test=Non
         print(f"{name:28s} {domain:9s} gap_closed {entry['held_out_kl']['gap_closed']:.3f} "
               f"({seconds:.1f} s) {entry.get('selection') or ''}", flush=True)
     if score:
-        from transformers import AutoTokenizer
-
-        from mergekit_darts.demo import tasks
-        from mergekit_darts.demo.run import score_surgery
-
-        router = None
-        if surgery.router_enabled:  # as repair_directory does, so the exported directory is complete
-            router, report["router"] = router_step(out, captured, surgery, settings)
-        export_step(out, surgery, modules, report, router)
-        tokenizer = AutoTokenizer.from_pretrained(out)
-        scores = score_surgery(out, tokenizer, test, list(tasks.DOMAINS))
-        result["scores"] = scores
-        print(f"{name:28s} scores {scores}", flush=True)
+        result["scores"], _ = export_and_score(out, captured, surgery, settings, modules, report, test)
+        print(f"{name:28s} scores {result['scores']}", flush=True)
     return result
+
+
+def export_and_score(out: str, captured, surgery, settings, modules: dict, report: dict, test) -> tuple:
+    """Export the trained ``modules`` into ``out`` (with the router where the surgery routes, as
+    repair_directory does, so the directory is complete) and score it on the demo's ``test`` sets:
+    (scores per domain, seconds the scoring took)."""
+    from transformers import AutoTokenizer
+
+    from mergekit_darts.demo import tasks
+    from mergekit_darts.demo.run import score_surgery
+    from mergekit_darts.pipeline import export_step, router_step
+
+    router = None
+    if surgery.router_enabled:
+        router, report["router"] = router_step(out, captured, surgery, settings)
+    export_step(out, surgery, modules, report, router)
+    start = time.perf_counter()
+    scores = score_surgery(out, AutoTokenizer.from_pretrained(out), test, list(tasks.DOMAINS))
+    return scores, round(time.perf_counter() - start, 1)
 
 
 def prepare(demo_dir: str, seed: int) -> dict:

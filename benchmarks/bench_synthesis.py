@@ -129,8 +129,7 @@ def run_one(demo_dir: str, condition: str, variant: str, seed: int, score: bool,
     import torch
 
     from mergekit_darts.demo import tasks
-    from mergekit_darts.demo.run import score_surgery
-    from mergekit_darts.pipeline import capture_step, export_step, router_step
+    from mergekit_darts.pipeline import capture_step
     from mergekit_darts.repair.budget import share_of_7b
     from mergekit_darts.repair.train.domain import train_domain
     from mergekit_darts.settings import RunSettings
@@ -164,15 +163,9 @@ def run_one(demo_dir: str, condition: str, variant: str, seed: int, score: bool,
     if condition.startswith("synth"):
         result["test_overlap"] = test_overlap(captured, __import__("transformers").AutoTokenizer.from_pretrained(out), test)
     if score:
-        router = None
-        if surgery.router_enabled:
-            router, report["router"] = router_step(out, captured, surgery, settings)
-        export_step(out, surgery, modules, report, router)
-        from transformers import AutoTokenizer
+        from benchmarks.bench_quality import export_and_score
 
-        start = time.perf_counter()
-        result["scores"] = score_surgery(out, AutoTokenizer.from_pretrained(out), test, list(tasks.DOMAINS))
-        result["score_s"] = round(time.perf_counter() - start, 1)
+        result["scores"], result["score_s"] = export_and_score(out, captured, surgery, settings, modules, report, test)
         print(f"s{seed} {condition:8s} {variant:10s} scores {result['scores']} ({result['score_s']} s)", flush=True)
     return result
 

@@ -53,9 +53,7 @@ def record_curves(curves: list):
 def run_seed(demo_dir: str, overrides: dict, seed: int, score: bool) -> dict:
     import torch
 
-    from mergekit_darts.demo import tasks
-    from mergekit_darts.demo.run import score_surgery
-    from mergekit_darts.pipeline import capture_step, export_step, router_step
+    from mergekit_darts.pipeline import capture_step
     from mergekit_darts.presets import preset_settings
     from mergekit_darts.repair.train.domain import train_domain
     from mergekit_darts.settings import RunSettings
@@ -94,18 +92,10 @@ def run_seed(demo_dir: str, overrides: dict, seed: int, score: bool) -> dict:
         print(f"s{seed} {domain:8s} chose {selection.get('steps')} of {candidates[0].get('steps_run')} run, "
               f"gap {entry['held_out_kl']['gap_closed']:.3f} ({entry['train_seconds']:.0f} s)", flush=True)
     if score:
-        router = None
-        if surgery.router_enabled:
-            router, report["router"] = router_step(out, captured, surgery, settings)
-        export_step(out, surgery, modules, report, router)
-        from transformers import AutoTokenizer
+        from benchmarks.bench_quality import export_and_score, load_test
 
-        from benchmarks.bench_quality import load_test
-
-        start = time.perf_counter()
-        result["scores"] = score_surgery(out, AutoTokenizer.from_pretrained(out), load_test(demo_dir),
-                                         list(tasks.DOMAINS))
-        result["score_s"] = round(time.perf_counter() - start, 1)
+        result["scores"], result["score_s"] = export_and_score(out, captured, surgery, settings, modules, report,
+                                                               load_test(demo_dir))
         print(f"s{seed} scores {result['scores']} ({result['score_s']} s)", flush=True)
     return result
 
