@@ -38,16 +38,25 @@ def configure(demo_dir: str, overrides: dict, seed: int):
     return surgery
 
 
-def record_curves(curves: list):
-    """Make every ``EarlyStopping`` of this process append its validation curve to ``curves``."""
+# every EarlyStopping's validation curve, in creation order (record_curves patches selection once)
+CURVES: list = []
+
+
+def record_curves() -> list:
+    """Make every ``EarlyStopping`` of this process append its validation curve to ``CURVES`` (patched
+    once per process); returns ``CURVES``."""
     from mergekit_darts.repair.train import selection
 
-    class Recorded(selection.EarlyStopping):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            curves.append(self.curve)
+    if not getattr(selection.EarlyStopping, "recorded", False):
+        class Recorded(selection.EarlyStopping):
+            recorded = True
 
-    selection.EarlyStopping = Recorded
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                CURVES.append(self.curve)
+
+        selection.EarlyStopping = Recorded
+    return CURVES
 
 
 def run_seed(demo_dir: str, overrides: dict, seed: int, score: bool) -> dict:
@@ -73,8 +82,8 @@ def run_seed(demo_dir: str, overrides: dict, seed: int, score: bool) -> dict:
         report["surgery"]["layers"] = captured.tail.first + len(captured.tail.layers)
     modules = {}
     for domain, data in captured.domains.items():
-        curves: list = []
-        record_curves(curves)
+        curves = record_curves()
+        first = len(curves)  # this domain's stoppers are the ones created from here on
         torch.manual_seed(seed)
         trained = train_domain(domain, data, captured.merged_head, surgery, settings, tail=captured.tail,
                                merged_dir=out)
@@ -84,7 +93,7 @@ def run_seed(demo_dir: str, overrides: dict, seed: int, score: bool) -> dict:
         candidates = selection.get("candidates") or [{}]
         result["domains"][domain] = {
             "chosen_steps": selection.get("steps"), "steps_run": candidates[0].get("steps_run"),
-            "refit_records": selection.get("refit_records"), "validation_curve": curves[0] if curves else None,
+            "refit_records": selection.get("refit_records"), "validation_curve": curves[first] if len(curves) > first else None,
             "gap_closed": entry["held_out_kl"]["gap_closed"], "kl_before": entry["held_out_kl"]["before"],
             "kl_after": entry["held_out_kl"]["after"], "behaviour": entry["behaviour"],
             "train_seconds": entry["train_seconds"], "records": entry["calibration"],
@@ -101,12 +110,17 @@ def run_seed(demo_dir: str, overrides: dict, seed: int, score: bool) -> dict:
 
 
 def save(tag: str, run: dict) -> str:
+    """Store ``run`` under ``tag``; two processes (seeds run side by side) take turns through a lock."""
+    import fcntl
+
     path = os.path.join(RESULTS_DIR, "preset_steps.json")
-    stored = json.load(open(path)) if os.path.exists(path) else {}
-    stored.setdefault("runs", {})[tag] = run
-    with open(path + ".tmp", "w") as handle:
-        json.dump(stored, handle, indent=1)
-    os.replace(path + ".tmp", path)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stored = json.load(open(path)) if os.path.exists(path) else {}
+        stored.setdefault("runs", {})[tag] = run
+        with open(path + ".tmp", "w") as handle:
+            json.dump(stored, handle, indent=1)
+        os.replace(path + ".tmp", path)
     return path
 
 
