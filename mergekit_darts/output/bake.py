@@ -11,8 +11,9 @@ says what that leaves out), so the head becomes ``W + H_u·H_d``. Block adapters
 
 The baked directory is the merge's own architecture: no ``auto_map``, no ``darts`` entry, no remote
 code. Tensors are streamed one at a time from the merged shards (``safe_open``) into new safetensors
-files written by hand, so memory stays near the largest tensor; everything is written into a staging
-directory beside DEST and switched in with one ``os.replace``.
+files written by hand, a folded one made only as it is written (``Replacement``), so memory stays near
+the largest tensor; everything is written into a staging directory beside DEST and switched in with one
+``os.replace``.
 """
 
 import json
@@ -21,7 +22,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -39,6 +40,7 @@ EMBED_KEY = "model.embed_tokens.weight"  # every supported architecture keeps it
 NOT_COPIED = {*layout.MODELING_FILES, DARTS_SHARD, INDEX, SINGLE_WEIGHTS, layout.REPORT, layout.PLOT,
               layout.CARD, "config.json"}
 ROW_CHUNK = 8192  # vocabulary rows folded at once (float64): bounds the fold's extra memory
+FOLDABLE_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors dtypes a folded tensor may have
 
 
 @dataclass
@@ -180,32 +182,69 @@ def block_weight_name(name: str, part: str = "weight") -> str:
     return f"model.layers.{name}.{part}"
 
 
+@dataclass
+class Replacement:
+    """A tensor of the baked weights that is made only when its bytes are written (``make()``), so one
+    folded tensor is alive at a time; its safetensors ``dtype`` and ``shape`` go in the header first."""
+
+    dtype: str
+    shape: List[int]
+    make: Callable[[], torch.Tensor]
+
+
+def merged_tensor_info(out_dir: str) -> Dict[str, dict]:
+    """Tensor name -> its safetensors header entry (dtype, shape) for the merged weights (headers only)."""
+    weight_map = layout.merged_weight_map(out_dir)
+    info = {}
+    for file_name in sorted(set(weight_map.values())):
+        header = layout.safetensors_header(layout.shard_path(out_dir, file_name))
+        info.update({name: entry for name, entry in header.items() if weight_map.get(name) == file_name})
+    return info
+
+
 @torch.no_grad()
-def folded_block_weights(out_dir: str, fold: DomainFold) -> Dict[str, torch.Tensor]:
-    """Every adapted linear's ``W + A_up·A_down`` (float64, cast to W's dtype) and, where the adapter has
-    a bias, the linear's ``b + b_A``: the adapter folded in."""
-    names = layout.merged_weight_map(out_dir)
+def folded_tensor(out_dir: str, key: str, adapter) -> torch.Tensor:
+    """The merged ``key`` with its adapter folded in, in float64 cast to the merged dtype: ``W + A_up·A_down``
+    for an adapter ``(down, up)``, ``b + b_A`` for an adapter's bias."""
+    merged = read_merged_tensor(out_dir, key)
+    delta = adapter[1].double() @ adapter[0].double() if isinstance(adapter, tuple) else adapter.double()
+    return (merged.double() + delta).to(merged.dtype)
+
+
+def folded_block_weights(out_dir: str, fold: DomainFold, info: Optional[Dict[str, dict]] = None
+                         ) -> Dict[str, Replacement]:
+    """Every adapted linear's ``W + A_up·A_down`` and, where the adapter has a bias, the linear's
+    ``b + b_A``: checked against the merged headers now, each folded (``folded_tensor``) only when written."""
+    info = merged_tensor_info(out_dir) if info is None else info
     folded = {}
     for name, (down, up) in sorted((fold.blocks or {}).items()):
         key = block_weight_name(name)
-        if key not in names:
+        if key not in info:
             raise FormatError(f"{out_dir}: the block adapter {name} of domain {fold.domain!r} has no merged weight "
                               f"{key} to fold into")
-        weight = read_merged_tensor(out_dir, key)
-        if tuple(weight.shape) != (up.shape[0], down.shape[1]):
-            raise FormatError(f"{out_dir}: {key} is {tuple(weight.shape)}, its adapter is "
+        if tuple(info[key]["shape"]) != (up.shape[0], down.shape[1]):
+            raise FormatError(f"{out_dir}: {key} is {tuple(info[key]['shape'])}, its adapter is "
                               f"{up.shape[0]} × {down.shape[1]}")
-        folded[key] = (weight.double() + up.double() @ down.double()).to(weight.dtype)
+        folded[key] = replacement(out_dir, key, info[key], lambda k=key, a=(down, up): folded_tensor(out_dir, k, a))
     for name, bias in sorted((fold.block_biases or {}).items()):
         key = block_weight_name(name, "bias")
-        if key not in names:
+        if key not in info:
             raise FormatError(f"{out_dir}: the block adapter {name} of domain {fold.domain!r} has a bias but the "
                               f"merge has no {key} to fold it into")
-        merged = read_merged_tensor(out_dir, key)
-        if tuple(merged.shape) != tuple(bias.shape):
-            raise FormatError(f"{out_dir}: {key} is {tuple(merged.shape)}, its adapter's bias {tuple(bias.shape)}")
-        folded[key] = (merged.double() + bias.double()).to(merged.dtype)
+        if tuple(info[key]["shape"]) != tuple(bias.shape):
+            raise FormatError(f"{out_dir}: {key} is {tuple(info[key]['shape'])}, its adapter's bias "
+                              f"{tuple(bias.shape)}")
+        folded[key] = replacement(out_dir, key, info[key], lambda k=key, b=bias: folded_tensor(out_dir, k, b))
     return folded
+
+
+def replacement(out_dir: str, key: str, entry: dict, make: Callable[[], torch.Tensor]) -> Replacement:
+    """``make``'s tensor, which has the merged ``key``'s dtype and shape (``entry``: its header entry); that
+    dtype must be one the fold computes in."""
+    if entry["dtype"] not in FOLDABLE_DTYPES:
+        raise FormatError(f"{out_dir}: {key} has dtype {entry['dtype']}, not a floating-point type mergekit-darts "
+                          f"can bake ({', '.join(FOLDABLE_DTYPES)})")
+    return Replacement(entry["dtype"], list(entry["shape"]), make)
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -243,9 +282,10 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
-def write_weights(out_dir: str, dest: str, replace: Dict[str, torch.Tensor]) -> None:
-    """The merged weights of ``out_dir`` into ``dest`` with ``replace``'d tensors (name -> tensor; a name
-    the merge lacks is added to the shard holding the embeddings); one shard keeps ``model.safetensors``."""
+def write_weights(out_dir: str, dest: str, replace: Dict[str, Replacement]) -> None:
+    """The merged weights of ``out_dir`` into ``dest`` with ``replace``'d tensors (name -> Replacement, made
+    as it is written; a name the merge lacks is added to the shard holding the embeddings); one shard keeps
+    ``model.safetensors``."""
     weight_map = layout.merged_weight_map(out_dir)
     files = sorted(set(weight_map.values()))
     added = {name: weight_map.get(name, weight_map.get(EMBED_KEY, files[0])) for name in replace}
@@ -261,21 +301,13 @@ def write_weights(out_dir: str, dest: str, replace: Dict[str, torch.Tensor]) -> 
                 info = header[name]
                 entries.append((name, info["dtype"], info["shape"], lambda n=name: handle.get_tensor(n)))
             for name in sorted(n for n, f in added.items() if f == file_name):
-                tensor = replace[name]
-                entries.append((name, _safetensors_dtype(tensor.dtype), list(tensor.shape), lambda t=tensor: t))
+                entries.append((name, replace[name].dtype, replace[name].shape, replace[name].make))
             entries.sort(key=lambda entry: entry[0])
             total += write_safetensors(os.path.join(dest, target_name), entries)
         new_map.update({entry[0]: target_name for entry in entries})
     if not single:
         layout.write_json(os.path.join(dest, INDEX),
                           {"metadata": {"total_size": total}, "weight_map": dict(sorted(new_map.items()))})
-
-
-def _safetensors_dtype(dtype: torch.dtype) -> str:
-    names = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-    if dtype not in names:
-        raise FormatError(f"lm_head dtype {dtype} is not a floating-point type mergekit-darts can bake")
-    return names[dtype]
 
 
 def copy_plain_files(out_dir: str, dest: str) -> List[str]:
@@ -327,11 +359,14 @@ def bake(out_dir: str, domain: str, dest: str, drop_position_bias: bool = False,
         raise FoldError(f"DEST: {os.path.abspath(dest)} already exists; choose a new directory (nothing was overwritten)")
     config = layout.read_config(out_dir)
     source = merged_head_source(out_dir, config)
-    new_head = folded_head(read_merged_tensor(out_dir, source), fold) if fold.changes_head else None
-    replace = {**folded_block_weights(out_dir, fold), **({HEAD_KEY: new_head} if new_head is not None else {})}
+    info = merged_tensor_info(out_dir)
+    replace = folded_block_weights(out_dir, fold, info)  # checked now, folded one at a time as written
+    if fold.changes_head:
+        replace[HEAD_KEY] = replacement(out_dir, source, info[source],
+                                        lambda: folded_head(read_merged_tensor(out_dir, source), fold))
     meta = layout.read_darts_entry(out_dir)
     kl = held_out_kl_note(out_dir, domain)
-    summary = {"domain": domain, "head_source": source if new_head is not None else None,
+    summary = {"domain": domain, "head_source": source if fold.changes_head else None,
                "dropped_position_bias": fold.dropped_position_bias, "dropped_final_state": fold.dropped_final_state,
                "rank": fold.shape.rank, "head_rank": fold.shape.head_rank, "block_linears": len(fold.blocks or {}),
                "held_out_kl": kl, "expert": (meta.get("domains") or {}).get(domain), "shape": fold.shape,
@@ -340,7 +375,7 @@ def bake(out_dir: str, domain: str, dest: str, drop_position_bias: bool = False,
     def write(stage):
         write_weights(out_dir, stage, replace)
         plain = layout.plain_config(config)
-        if new_head is not None:  # the folded head is domain-specific; the input embeddings are not
+        if fold.changes_head:  # the folded head is domain-specific; the input embeddings are not
             plain["tie_word_embeddings"] = False
         layout.write_json(os.path.join(stage, "config.json"), plain)
         copy_plain_files(out_dir, stage)
