@@ -11,6 +11,7 @@ import torch
 from helpers import assert_same_logits, logits_of
 from mergekit_darts.errors import FormatError
 from mergekit_darts.output import bake as bake_module
+from mergekit_darts.output import peft_export
 from mergekit_darts.output.bake import bake
 
 
@@ -95,3 +96,24 @@ def test_a_tensor_that_cannot_be_baked_is_named(tmp_path):
     with pytest.raises(FormatError, match=rf"{key} has dtype I8, not a floating-point type"):
         bake_module.replacement(str(tmp_path), key, {"dtype": "I8", "shape": [4, 4]}, lambda: None)
 
+
+def test_export_peft_reads_the_head_only_when_a_fold_changes_it(tiny_family, tmp_path, monkeypatch):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    requested = []
+    real = peft_export.read_merged_tensor
+    monkeypatch.setattr(peft_export, "read_merged_tensor", lambda d, name: requested.append(name) or real(d, name))
+
+    out = _depth_output(tiny_family["merged"], tmp_path / "out", head_rank=0)
+    summary = peft_export.export_peft(out, str(tmp_path / "adapters"), drop_final_state=True)
+    assert requested == []  # head_rank 0 without the final-state correction: lm_head is unchanged
+    assert summary["math"]["rank"] == 0 and summary["math"]["block_modules"] == 14
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "adapters" / "base-model")).eval()
+    ids = _ids(base.config.vocab_size)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "adapters" / "code"))
+    assert_same_logits(logits_of(model, ids), logits_of(_remote(out, "code", final_state=False), ids))
+
+    with_head = _depth_output(tiny_family["merged"], tmp_path / "with_head", head_rank=2)
+    peft_export.export_peft(with_head, str(tmp_path / "adapters2"), drop_final_state=True)
+    assert requested == ["lm_head.weight"]  # H_u·H_d changes it: read once for every domain

@@ -149,7 +149,10 @@ def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
         raise FoldError(f"DEST: {os.path.abspath(dest)} already exists; choose a new directory (nothing was overwritten)")
     config = layout.read_config(out_dir)
     layout.plain_architecture(config)  # a FormatError now for an architecture the emitted classes lack
-    head = read_merged_tensor(out_dir, merged_head_source(out_dir, config))
+    # the whole merged head (vocab × hidden) only where some domain's fold changes it (not at head_rank 0
+    # without the final-state correction)
+    changes_head = any(fold.changes_head for fold in folds)
+    head = read_merged_tensor(out_dir, merged_head_source(out_dir, config)) if changes_head else None
     hidden = config.get("hidden_size")
     summaries = {}
     base_path = os.path.join(os.path.abspath(dest), BASE_DIR)  # where the base is once staged in
