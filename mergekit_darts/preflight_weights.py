@@ -20,50 +20,21 @@ import itertools
 import json
 import os
 import re
-import struct
 from typing import Dict, List, Optional, Tuple
 
 from mergekit_darts.config import SurgeryConfig, SurgeryConfigError
-from mergekit_darts.weight_files import DARTS_SHARD, DARTS_TENSOR_PREFIX, INDEX, SINGLE_WEIGHTS
+from mergekit_darts.weight_files import (
+    DARTS_SHARD, DARTS_TENSOR_PREFIX, INDEX, SINGLE_WEIGHTS, DamagedWeights, safetensors_header, unique_name_ending,
+)
 
 Shapes = Dict[str, Tuple[int, ...]]
 _LAYER_WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.weight$")
 
 
-class _Damaged(Exception):
-    """Why a safetensors file cannot be read (its header, in words)."""
-
-
 def header_shapes(path: str) -> Shapes:
-    """Tensor name -> shape from the header of ``path``; ``_Damaged`` when the file is not whole. Unlike
-    ``weight_files.safetensors_header`` it trusts nothing in the file: a length field past the end is
-    never read (it would read a whole shard into memory first)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-        if len(raw) < 8:
-            raise _Damaged(f"it has {size} bytes, fewer than the 8 of a safetensors header's length field")
-        (length,) = struct.unpack("<Q", raw)
-        if 8 + length > size:  # checked before reading: a bad length field must not read a whole shard
-            raise _Damaged(f"its header length field says {length} bytes, past the end of the file ({size} bytes)")
-        try:
-            header = json.loads(handle.read(length))
-        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError alike
-            raise _Damaged(f"its header is not valid JSON ({type(error).__name__}: {error})") from None
-    if not isinstance(header, dict):
-        raise _Damaged("its header is not a JSON object")
-    header.pop("__metadata__", None)
-    shapes, end = {}, 0
-    for name, info in header.items():
-        try:
-            shape, (start, stop) = tuple(int(dim) for dim in info["shape"]), info["data_offsets"]
-            end = max(end, int(stop))
-        except (TypeError, KeyError, ValueError):
-            raise _Damaged(f"its header entry {name!r} has no valid shape and data_offsets") from None
-        shapes[name] = shape
-    if 8 + length + end > size:
-        raise _Damaged(f"it is truncated ({size} bytes, its header describes {8 + length + end})")
-    return shapes
+    """Tensor name -> shape from the header of ``path`` (``weight_files.safetensors_header``: a damaged file
+    is ``DamagedWeights``)."""
+    return {name: tuple(info["shape"]) for name, info in safetensors_header(path).items()}
 
 
 def local_model_dir(path: str) -> Optional[str]:
@@ -102,8 +73,8 @@ def model_shapes(model_dir: str, where: str, what: str) -> Optional[Shapes]:
         except OSError as error:  # a shard the index names is missing, unreadable, ...
             raise SurgeryConfigError(f"{where}: {what}: weight file {path}: {error.strerror or error}; download "
                                      "or copy the model again") from None
-        except _Damaged as error:
-            raise SurgeryConfigError(f"{where}: {what}: weight file {path} is damaged: {error}; download or "
+        except DamagedWeights as error:
+            raise SurgeryConfigError(f"{where}: {what}: weight file {path} is damaged: {error.reason}; download or "
                                      "copy the model again (an interrupted download or copy?)") from None
     return {name: shape for name, shape in shapes.items() if not name.startswith(DARTS_TENSOR_PREFIX)}
 
@@ -117,11 +88,12 @@ def layer_linears(shapes: Shapes, layer: int) -> Dict[str, Tuple[int, ...]]:
         if match and int(match.group(1)) == layer and len(shape) == 2:
             found[match.group(2)] = shape
 
-    def is_router(path):
-        parent, _, leaf = path.rpartition(".")
+    from mergekit_darts.remote_code.blocks import is_moe_router  # imports torch: only when depth is checked
+
+    def has_experts(parent):
         prefix = f"{parent}.experts." if parent else "experts."
-        return leaf in ("gate", "router") and any(other.startswith(prefix) for other in found)
-    return {path: shape for path, shape in found.items() if not is_router(path)}
+        return any(other.startswith(prefix) for other in found)
+    return {path: shape for path, shape in found.items() if not is_moe_router(path, has_experts)}
 
 
 def merged_layer_sources(merge_config, reference_path: str, reference_layers: Optional[int]
@@ -139,12 +111,6 @@ def merged_layer_sources(merge_config, reference_path: str, reference_layers: Op
         start, stop = chosen.layer_range
         sources += [(str(chosen.model.model.path), layer) for layer in range(start, stop)]
     return sources
-
-
-def _tensor_ending(shapes: Shapes, suffix: str) -> Optional[str]:
-    """The one tensor named ``suffix`` or ``*.suffix`` (as ``weight_files.SafetensorsWeights`` finds it)."""
-    found = [name for name in shapes if name == suffix or name.endswith("." + suffix)]
-    return found[0] if len(found) == 1 else None
 
 
 def check_weight_files(surgery: SurgeryConfig, layer_sources: Optional[List[Tuple[str, int]]],
@@ -176,14 +142,14 @@ def check_weight_files(surgery: SurgeryConfig, layer_sources: Optional[List[Tupl
         reference = references[source]
         for path, weight_shape in sorted(layer_linears(reference, layer).items()):
             # and its bias, where the merge has one: the run reads the expert's to see what it moved
-            merged_bias = _tensor_ending(reference, f"layers.{layer}.{path}.bias")
+            merged_bias = unique_name_ending(reference, f"layers.{layer}.{path}.bias")
             wanted = [("weight", weight_shape)] + ([("bias", reference[merged_bias])] if merged_bias else [])
             for (kind, merged_shape), (name, shapes) in itertools.product(wanted, experts.items()):
                 if shapes is None:
                     continue
                 suffix = f"layers.{index}.{path}.{kind}"
                 model = surgery.domains[name].model
-                tensor = _tensor_ending(shapes, suffix)
+                tensor = unique_name_ending(shapes, suffix)
                 if tensor is None:
                     raise SurgeryConfigError(
                         f"surgery.domains.{name}.model: expert {model!r} has no tensor '*{suffix}' ({merged_label}'s "

@@ -1,6 +1,7 @@
-"""A model directory's safetensors weight files: headers, the tensor -> file map, tensors read one at a
-time. Torch-free but for ``SafetensorsWeights.read``; below both ``output/`` (the export, bake, info)
-and ``repair/`` (``adapter_init: delta`` and the report's baseline read expert and merge weights here).
+"""A model directory's safetensors weight files: headers (the one reader, guarded against damaged files),
+the tensor -> file map, tensors read one at a time. Torch-free but for ``SafetensorsWeights.read``; below
+``output/`` (the export, bake, info), ``repair/`` (``adapter_init: delta`` and the report's baseline read
+expert and merge weights here) and ``preflight_weights`` (the experts' headers before the merge).
 
 The darts entries of an earlier export (``darts.safetensors``, tensors named ``darts.*``) are never
 part of the merged weights; ``output/layout.py`` re-exports these names as part of the output format.
@@ -9,7 +10,7 @@ part of the merged weights; ``output/layout.py`` re-exports these names as part 
 import json
 import os
 import struct
-from typing import Dict
+from typing import Dict, Iterable, List, Optional
 
 from mergekit_darts.errors import FormatError
 
@@ -25,12 +26,45 @@ def read_json(path: str) -> dict:
         return json.load(handle)
 
 
+class DamagedWeights(FormatError):
+    """A safetensors file that is not whole (a bad length field, a header that is not JSON, a file cut
+    short): the message names the file, ``reason`` says what is wrong in words."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"weight file {path} is damaged: {reason}; download or copy it again")
+        self.path, self.reason = path, reason
+
+
 def safetensors_header(path: str) -> Dict[str, dict]:
-    """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors header (no tensor data read)."""
+    """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors header (no tensor data read);
+    ``DamagedWeights`` when the file is not whole. It trusts nothing in the file: a length field past the
+    end is never read (it would read a whole shard into memory first)."""
+    size = os.path.getsize(path)
     with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
+        raw = handle.read(8)
+        if len(raw) < 8:
+            raise DamagedWeights(path, f"it has {size} bytes, fewer than the 8 of a safetensors header's length field")
+        (length,) = struct.unpack("<Q", raw)
+        if 8 + length > size:  # checked before reading: a bad length field must not read a whole shard
+            raise DamagedWeights(path, f"its header length field says {length} bytes, past the end of the file "
+                                       f"({size} bytes)")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError alike
+            raise DamagedWeights(path, f"its header is not valid JSON ({type(error).__name__}: {error})") from None
+    if not isinstance(header, dict):
+        raise DamagedWeights(path, "its header is not a JSON object")
     header.pop("__metadata__", None)
+    end = 0
+    for name, info in header.items():
+        try:
+            info["shape"] = [int(dim) for dim in info["shape"]]
+            _, stop = info["data_offsets"]
+            end = max(end, int(stop))
+        except (TypeError, KeyError, ValueError):
+            raise DamagedWeights(path, f"its header entry {name!r} has no valid shape and data_offsets") from None
+    if 8 + length + end > size:
+        raise DamagedWeights(path, f"it is truncated ({size} bytes, its header describes {8 + length + end})")
     return header
 
 
@@ -62,6 +96,17 @@ def merged_weight_map(out_dir: str) -> Dict[str, str]:
     )
 
 
+def names_ending(names: Iterable[str], suffix: str) -> List[str]:
+    """Every name that is ``suffix`` or ends with ``.suffix``."""
+    return [name for name in names if name == suffix or name.endswith("." + suffix)]
+
+
+def unique_name_ending(names: Iterable[str], suffix: str) -> Optional[str]:
+    """The one name that is ``suffix`` or ends with ``.suffix``; None when there is none or several."""
+    found = names_ending(names, suffix)
+    return found[0] if len(found) == 1 else None
+
+
 def shard_path(model_dir: str, name: str) -> str:
     """The file of ``merged_weight_map``'s entry ``name`` (its single-file name is ``model.safetensors``
     until the export renames it)."""
@@ -84,7 +129,7 @@ class SafetensorsWeights:
 
     def names_ending(self, suffix: str):
         """Every tensor whose name is ``suffix`` or ends with ``.suffix``."""
-        return [name for name in self.files if name == suffix or name.endswith("." + suffix)]
+        return names_ending(self.files, suffix)
 
     def name_ending(self, suffix: str) -> str:
         """The one tensor whose name is ``suffix`` or ends with ``.suffix``."""

@@ -6,6 +6,7 @@ merge is compared layer by layer with the slice that produces it, not with the b
 """
 
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -171,3 +172,48 @@ def test_a_damaged_expert_file_is_one_line_naming_it_before_the_merge(tiny_famil
         assert "Traceback" not in stderr and "merge written" not in stderr, kind
         assert os.listdir(out) == ["earlier.txt"] and (out / "earlier.txt").read_text() == "an earlier result"
         assert os.listdir(out.parent) == ["out"], kind  # no .darts-staging-* folder beside it
+
+
+
+@pytest.mark.parametrize("kind", ["bad length field", "bad JSON header", "truncated"])
+def test_bake_and_info_read_a_damaged_merged_file_through_the_same_guarded_header_reader(tiny_family, tmp_path, kind):
+    """``weight_files.safetensors_header`` is the one header reader (preflight, bake, info, the output checks):
+    a damaged file is one FormatError naming it, and one Error line for ``bake`` and ``info``."""
+    from click.testing import CliRunner
+
+    from helpers import linear_surgery_output
+    from mergekit_darts.cli import main
+    from mergekit_darts.errors import FormatError
+    from mergekit_darts.weight_files import merged_weight_map, safetensors_header
+
+    out = Path(linear_surgery_output(tiny_family["merged"], tmp_path / "out"))
+    [shard] = [p for p in out.glob("*.safetensors") if p.name != "darts.safetensors"]
+    _damage(shard, kind)
+    reason = {"bad length field": "header length field says 1152921504606846976 bytes, past the end of the file",
+              "bad JSON header": "its header is not valid JSON", "truncated": "it is truncated"}[kind]
+    with pytest.raises(FormatError, match=rf"^weight file {re.escape(str(shard))} is damaged: .*{reason}"):
+        safetensors_header(str(shard))
+    single = Path(shutil.copytree(tiny_family["merged"], tmp_path / "plain"))
+    _damage(single / "model.safetensors", kind)
+    with pytest.raises(FormatError, match=rf"weight file {re.escape(str(single / 'model.safetensors'))} is damaged"):
+        merged_weight_map(str(single))
+    for args in (["bake", str(out), str(tmp_path / "baked"), "--domain", "math"], ["info", str(out)]):
+        result = CliRunner().invoke(main, args)
+        errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+        assert result.exit_code != 0 and len(errors) == 1, (args[0], result.output)
+        assert str(shard) in errors[0] and reason in errors[0], (args[0], errors)
+    assert not (tmp_path / "baked").exists()
+
+
+def test_layer_linears_leaves_out_a_moe_router_as_the_emitted_blocks_do():
+    """The rule is ``remote_code.blocks.is_moe_router``: a ``gate``/``router`` beside ``experts`` is a router;
+    a ``gate`` without experts beside it is an ordinary linear."""
+    from mergekit_darts.preflight_weights import layer_linears
+
+    shapes = {"model.layers.0.mlp.gate.weight": (4, 8), "model.layers.0.mlp.experts.0.up_proj.weight": (16, 8),
+              "model.layers.0.router.weight": (4, 8), "model.layers.0.experts.0.down_proj.weight": (8, 16),
+              "model.layers.0.attn.gate.weight": (8, 8), "model.layers.0.input_layernorm.weight": (8,),
+              "model.layers.1.mlp.gate.weight": (4, 8)}
+    assert layer_linears(shapes, 0) == {"mlp.experts.0.up_proj": (16, 8), "experts.0.down_proj": (8, 16),
+                                        "attn.gate": (8, 8)}
+    assert layer_linears(shapes, 1) == {"mlp.gate": (4, 8)}

@@ -7,31 +7,25 @@ Torch-free: reads only file names, JSON and safetensors headers.
 
 import json
 import os
-import struct
 from typing import Optional
 
 from mergekit_darts.errors import FormatError
 from mergekit_darts.output.layout import (DARTS_KEY, INDEX, MODELING_FILES, SINGLE_WEIGHTS, read_config,
-                                          read_darts_entry, read_json, read_shape)
+                                          read_darts_entry, read_json, read_shape, safetensors_header)
+from mergekit_darts.weight_files import DamagedWeights
 
 RERUN = "rerun `mergekit-darts surgery CONFIG_FILE OUT` (or `mergekit-yaml`) to rewrite it"
 
 
 def shard_problem(path: str) -> Optional[str]:
-    """Why ``path`` is not a complete safetensors file (None when it is): header and data length."""
+    """Why ``path`` is not a complete safetensors file (None when it is): ``safetensors_header``'s checks
+    (length field, JSON, data length) and the darts tensors' dtype."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if 8 + length > size:
-                return "its header runs past the end of the file"
-            header = json.loads(handle.read(length))
-    except (OSError, struct.error, ValueError) as error:
+        header = safetensors_header(path)
+    except DamagedWeights as error:
+        return error.reason
+    except OSError as error:
         return f"unreadable ({type(error).__name__}: {error})"
-    header.pop("__metadata__", None)
-    end = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if 8 + length + end > size:
-        return f"truncated ({size} bytes, the header describes {8 + length + end})"
     for name, info in header.items():  # transformers would cast them to float32 silently (int32 0.3 -> 0)
         if name.startswith("darts.") and info.get("dtype") != "F32":
             return f"{name} is stored as {info.get('dtype')}, but every darts tensor is float32 (F32)"

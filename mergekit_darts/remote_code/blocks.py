@@ -12,7 +12,7 @@ A directory written before adapters had biases has no ``up.bias`` tensors; they 
 (``modeling_darts.py``), which computes what that directory always did.
 """
 
-from typing import Dict, Iterator, Tuple
+from typing import Callable, Dict, Iterator, Tuple
 
 import torch
 from torch import nn
@@ -49,10 +49,16 @@ class BlockAdapter(nn.Module):
             return float32_linear(self.up, float32_linear(self.down, inputs.float()))
 
 
-def _is_moe_router(block: nn.Module, path: str) -> bool:
-    # a MoE block's router (``gate`` next to ``experts``): adapting it would change which experts run
+def is_moe_router(path: str, has_experts: Callable[[str], bool]) -> bool:
+    """Whether the linear at ``path`` (in a block) is a MoE router: a ``gate``/``router`` whose parent (its
+    path, "" for the block) has ``experts`` (``has_experts(parent)``). Adapting it would change which experts
+    run. ``preflight_weights`` asks the same of tensor names."""
     parent, _, leaf = path.rpartition(".")
-    return leaf in ("gate", "router") and hasattr(block.get_submodule(parent) if parent else block, "experts")
+    return leaf in ("gate", "router") and has_experts(parent)
+
+
+def _is_moe_router(block: nn.Module, path: str) -> bool:
+    return is_moe_router(path, lambda parent: hasattr(block.get_submodule(parent) if parent else block, "experts"))
 
 
 def block_linear_targets(layers: nn.ModuleList, depth: int) -> BlockTargets:
