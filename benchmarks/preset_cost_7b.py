@@ -33,11 +33,14 @@ def seconds(steps: float, records: int, flops, block_rate: float) -> float:
     return steps * positions * per_position
 
 
-def domain_minutes(run_steps: float, chosen: float, flops, block_rate: float, early: bool) -> float:
+def domain_minutes(run_steps: float, chosen: float, flops, block_rate: float, early: bool, refit: bool = True) -> float:
+    """Minutes of one domain: the stopped run on the training records less the validation ones, the
+    validation checks, and (``refit``, the preset's default) the chosen steps again on all records."""
     if not early:
         return seconds(run_steps, RECORDS, flops, block_rate) / 60
     checks = run_steps / EVAL_EVERY + 1  # the validation forwards: about a third of a step's FLOPs each
-    total = (seconds(run_steps, RECORDS - VALIDATION, flops, block_rate) + seconds(chosen, RECORDS, flops, block_rate)
+    total = (seconds(run_steps, RECORDS - VALIDATION, flops, block_rate)
+             + (seconds(chosen, RECORDS, flops, block_rate) if refit else 0.0)
              + seconds(checks / 3, VALIDATION, flops, block_rate))
     return total / 60
 
@@ -47,19 +50,23 @@ def main() -> None:
     flops = {k: v / TOKENS for k, v in per_position.items() if k != "preset_over_kl"}
     steps = json.load(open(os.path.join(RESULTS_DIR, "preset_steps.json")))["runs"]
     ratio = json.load(open(os.path.join(RESULTS_DIR, "bench_training_preset.json")))["result"]
-    picked = [(tag, seed, domain, d["steps_run"], d["chosen_steps"]) for tag, run in steps.items()
-              for seed, result in run["seeds"].items() for domain, d in result["domains"].items()]
+    # (tag, seed, domain, steps run, steps chosen, refit or not): a run without refit has no refit_records
+    picked = [(tag, seed, domain, d["steps_run"], d["chosen_steps"], d.get("refit_records") is not None)
+              for tag, run in steps.items() for seed, result in run["seeds"].items()
+              for domain, d in result["domains"].items()]
     rows, estimate = [], {"flops_per_position": flops, "preset_over_kl_flop_model_7b": per_position["preset_over_kl"],
                           "preset_over_kl_measured_cpu": ratio["preset_over_kl"]["median"],
                           "preset_over_kl_flop_model_cpu_shape": ratio["flop_model"]["preset_over_kl"], "rows": []}
-    for label, run_steps, chosen, rate, early in (
-            ["500 full-batch steps, float32 blocks (before)", 500, 500, FP32, False],
-            ["500 full-batch steps, bf16-autocast blocks", 500, 500, BF16_BLOCKS, False],
-            *[[f"early stopping ({tag} seed {seed} {domain}: ran {run}, chose {chosen}), bf16 blocks", run, chosen,
-               BF16_BLOCKS, True] for tag, seed, domain, run, chosen in picked]):
-        minutes = domain_minutes(run_steps, chosen, flops, rate, early)
+    for label, run_steps, chosen, rate, early, refit in (
+            ["500 full-batch steps, float32 blocks (before)", 500, 500, FP32, False, False],
+            ["500 full-batch steps, bf16-autocast blocks", 500, 500, BF16_BLOCKS, False, False],
+            *[[f"early stopping ({tag} seed {seed} {domain}: ran {run}, chose {chosen}"
+               f"{'' if refit else ', no refit'}), bf16 blocks", run, chosen, BF16_BLOCKS, True, refit]
+              for tag, seed, domain, run, chosen, refit in picked]):
+        minutes = domain_minutes(run_steps, chosen, flops, rate, early, refit)
         rows.append([label, f"{minutes:.1f}", "yes" if minutes <= TARGET_MIN else "no"])
-        estimate["rows"].append({"label": label, "steps_run": run_steps, "chosen": chosen, "minutes": minutes})
+        estimate["rows"].append({"label": label, "steps_run": run_steps, "chosen": chosen, "minutes": minutes, "refit": refit})
+    picked = [p for p in picked if p[5]]  # the preset's own setting (refit) from here on
     if picked:
         run, chosen = statistics.median(p[3] for p in picked), statistics.median(p[4] for p in picked)
         minutes = domain_minutes(run, chosen, flops, BF16_BLOCKS, True)
