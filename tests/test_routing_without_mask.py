@@ -121,3 +121,22 @@ def test_pad_equal_to_eos_routes_on_every_token_as_the_attention_does(padded, de
     picks = model.route_domains(batch.input_ids)
     assert torch.equal(generate(model, input_ids=batch.input_ids, attention_mask=everything, darts_domain=picks,
                                 pad_token_id=EOS), expected)
+
+
+def test_the_mask_rule_without_transformers_private_helpers_is_the_same(padded, monkeypatch):
+    """Another transformers version may rename the private helpers generate's own mask comes from: the
+    emitted code then applies the same rule itself (pad ids are padding unless pad is a stop id)."""
+    import sys
+
+    model, tokenizer = padded[1, "final"], padded["tokenizer"]
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    generation = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".generation"]
+    expected = generation.generation_attention_mask(model, batch.input_ids, {})
+    assert torch.equal(expected, batch.attention_mask)
+
+    def renamed(*args, **kwargs):
+        raise AttributeError("_prepare_generation_config")
+
+    monkeypatch.setattr(model, "_prepare_generation_config", renamed)
+    assert torch.equal(generation.generation_attention_mask(model, batch.input_ids, {}), expected)
+    assert generation.generation_attention_mask(model, batch.input_ids, {"pad_token_id": EOS}) is None

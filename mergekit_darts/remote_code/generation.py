@@ -144,9 +144,25 @@ def generation_attention_mask(model, inputs: Optional[torch.Tensor], generate_kw
         return given
     settings = {key: value for key, value in generate_kwargs.items()
                 if not key.startswith("darts_") and key not in ("inputs", "input_ids", "inputs_embeds")}
-    config, model_kwargs = model._prepare_generation_config(settings.pop("generation_config", None), **settings)
-    model._prepare_special_tokens(config, True, device=inputs.device)  # True: generate itself warns, once
-    return model._prepare_attention_mask_for_generation(inputs, config, model_kwargs)
+    try:
+        config, model_kwargs = model._prepare_generation_config(settings.pop("generation_config", None), **settings)
+        model._prepare_special_tokens(config, True, device=inputs.device)  # True: generate itself warns, once
+        return model._prepare_attention_mask_for_generation(inputs, config, model_kwargs)
+    except (AttributeError, TypeError):  # private helpers another transformers version renamed or changed
+        return _derived_attention_mask(model, inputs, settings)
+
+
+def _derived_attention_mask(model, inputs: torch.Tensor, settings: dict) -> Optional[torch.Tensor]:
+    """transformers' rule, for versions whose private helpers differ: ids that equal the pad token are
+    padding unless pad is also a stop id (then nothing can tell padding from a real end of text);
+    embeddings or no pad token: every token is real (None)."""
+    config = settings.get("generation_config") or model.generation_config
+    pad = settings.get("pad_token_id", getattr(config, "pad_token_id", None))
+    eos = settings.get("eos_token_id", getattr(config, "eos_token_id", None))
+    stops = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
+    if pad is None or pad in stops or inputs.dim() != 2 or inputs.is_floating_point():
+        return None
+    return (inputs != pad).long()
 
 
 def route_prompt(model, input_ids=None, inputs_embeds=None, attention_mask=None) -> torch.Tensor:

@@ -98,6 +98,7 @@ def held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str,
     gap_closed = 1.0 - float(after) / float(before) if float(before) > 0 else None
     result = {"before": float(before), "after": float(after), "gap_closed": gap_closed}
     surgery = getattr(module, "surgery", module)  # with depth: the final-state module behind the tail
+    states = None  # the uncorrected final states (a whole tail forward with depth): computed once
     if surgery.blocks is not None or module.head_rank > 0:
         # what `--drop-final-state-correction` exports (docs/serving.md): the block adapters and the head
         # correction without the final-state correction (no content term, no position table)
@@ -106,7 +107,8 @@ def held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str,
             kl_loss(states[mask], target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
     if module.position_bias is not None:
         # what `mergekit-darts bake --drop-position-bias` keeps: the correction without its table
-        states = final_states(module, inputs, held["position_ids"])
+        if states is None:
+            states = final_states(module, inputs, held["position_ids"])
         unbiased = (states - module.content(states))[mask]
         result["after_without_position_bias"] = float(
             kl_loss(unbiased, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
