@@ -67,6 +67,8 @@ def preset_rows(all_rows: bool = False) -> list:
     """The preset rows a run trains: writing and answering 450 prompts per domain and training on them
     does not fit the default run's 10 minutes on 2 cores, so the synthesize row comes with all_rows."""
     return PRESET_ROWS if all_rows else [row for row in PRESET_ROWS if row[2] is None]
+
+
 VARIANTS_DIR, PRESET_DIR, PRESET_YAML = "variants", "merged_best", "demo_best.yml"  # in the workdir
 
 
