@@ -66,7 +66,8 @@ def main() -> None:
         minutes = domain_minutes(run_steps, chosen, flops, rate, early, refit)
         rows.append([label, f"{minutes:.1f}", "yes" if minutes <= TARGET_MIN else "no"])
         estimate["rows"].append({"label": label, "steps_run": run_steps, "chosen": chosen, "minutes": minutes, "refit": refit})
-    picked = [p for p in picked if p[5]]  # the preset's own setting (refit) from here on
+    # the median: the preset as it ships (refit, up to 500 steps: tags early_stop_*), not the variants tried
+    picked = [p for p in picked if p[5] and p[0].startswith("early_stop")]
     if picked:
         run, chosen = statistics.median(p[3] for p in picked), statistics.median(p[4] for p in picked)
         minutes = domain_minutes(run, chosen, flops, BF16_BLOCKS, True)
