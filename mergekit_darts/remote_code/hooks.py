@@ -277,11 +277,9 @@ def _block_hook(module, args, output, *, layer_index: int, path: str):
         return output + delta(adapter_of(surgeries[call.domain]), inputs).to(output.dtype)
     rows = _row_selector(call, inputs)
     total = None
-    for index, surgery in enumerate(surgeries):  # other rows' inputs become 0: their delta is 0 exactly
-        adapter, selected = adapter_of(surgery), rows == index
-        part = delta(adapter, torch.where(selected, inputs, 0))
-        if adapter.up.bias is not None:  # but for the bias: other rows' outputs become 0 as well
-            part = torch.where(selected.to(part.device), part, 0)
+    for index, surgery in enumerate(surgeries):  # each domain's delta kept on its own rows only (bias too)
+        part = delta(adapter_of(surgery), inputs)
+        part = torch.where((rows == index).to(part.device), part, 0)
         total = part if total is None else total + part
     return output + total.to(output.dtype)
 
