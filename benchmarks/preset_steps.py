@@ -10,6 +10,10 @@ pipeline's ``train_domain`` and records per domain: the step early stopping chos
 stopped run took, the refit's steps, every validation check ([step, loss]: the curve), the held-out
 gap closed, the behaviour figures and the training seconds; with ``--score`` also the task scores of
 the exported model. Appends to benchmarks/results/preset_steps.json under --tag (after every seed).
+
+``--lr-decay linear`` is an experiment, not a setting of the plugin: every Adam of the process takes
+its lr times (1 - t / steps) at its step t (the cap ``steps``), so the stopped run and its refit follow
+the same schedule. It is recorded under the run's ``experiment``.
 """
 
 import argparse
@@ -57,6 +61,23 @@ def record_curves() -> list:
 
         selection.EarlyStopping = Recorded
     return CURVES
+
+
+def decay_lr_linearly(horizon: int) -> None:
+    """Every ``torch.optim.Adam`` made from here on in this process decays its lr linearly to zero at
+    step ``horizon`` (its own step count: each training run and refit starts at the full lr)."""
+    import torch
+
+    class LinearDecayAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                group.setdefault("initial_lr", group["lr"])
+                done = group.setdefault("steps_done", 0)
+                group["lr"] = group["initial_lr"] * max(0.0, 1.0 - done / horizon)
+                group["steps_done"] = done + 1
+            return super().step(closure)
+
+    torch.optim.Adam = LinearDecayAdam
 
 
 def run_seed(demo_dir: str, overrides: dict, seed: int, score: bool) -> dict:
@@ -131,12 +152,17 @@ def main(argv=None) -> None:
     parser.add_argument("--overrides", default="{}", help="JSON: surgery keys on top of preset: best")
     parser.add_argument("--score", action="store_true", help="export and score on the demo's test sets")
     parser.add_argument("--tag", required=True)
+    parser.add_argument("--lr-decay", choices=["linear"], help="experiment: Adam's lr decays to 0 at the step cap")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # the demo's setting
     run = {"command": " ".join(sys.argv), "machine": machine_info(), "overrides": json.loads(args.overrides),
            "seeds": {}}
+    if args.lr_decay:
+        cap = configure(args.demo_dir, run["overrides"], args.seeds[0]).steps
+        decay_lr_linearly(cap)
+        run["experiment"] = {"lr_decay": args.lr_decay, "horizon": cap}
     for seed in args.seeds:
         run["seeds"][str(seed)] = run_seed(args.demo_dir, run["overrides"], seed, args.score)
         path = save(args.tag, run)

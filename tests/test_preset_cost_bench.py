@@ -24,3 +24,41 @@ def test_gpu_preset_step_script_runs_at_tiny_shapes_on_the_cpu(tmp_path):
         assert row["seconds_per_step"] > 0 and row["minutes_per_domain"] > 0
     assert preset["flop_model"]["preset_over_kl"] > 1
     assert "min per domain" in result.stdout
+
+
+def _cost_module():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import preset_cost_7b
+
+    return preset_cost_7b
+
+
+def test_the_7b_estimate_charges_a_minibatch_step_for_its_records_only():
+    cost = _cost_module()
+    flops = {"blocks": 2.6e10, "kl": 1.3e9}
+    full = cost.domain_minutes(500, 500, flops, cost.BF16_BLOCKS, True)
+    batch8 = cost.domain_minutes(500, 500, flops, cost.BF16_BLOCKS, True, batch=8)
+    # the stopped run trains 8 of 32 records per step and the refit 8 of 40: the checks cost the same
+    checks = cost.seconds((500 / cost.EVAL_EVERY + 1) / 3, cost.VALIDATION, flops, cost.BF16_BLOCKS) / 60
+    assert abs((batch8 - checks) / (full - checks) - (8 * 500 + 8 * 500) / (32 * 500 + 40 * 500)) < 1e-9
+    # a batch at least the record count is the full batch
+    assert cost.domain_minutes(500, 500, flops, cost.BF16_BLOCKS, True, batch=50) == full
+
+
+def test_variants_group_tags_with_the_same_overrides_and_test_against_the_preset():
+    cost = _cost_module()
+    domain = {"steps_run": 500, "chosen_steps": 500, "refit_records": 40, "gap_closed": 0.9}
+
+    def run(overrides, seeds, math):
+        return {"overrides": overrides,
+                "seeds": {str(s): {"domains": {"math": domain}, "scores": {"math": m}} for s, m in zip(seeds, math)}}
+
+    steps = {"a": run({}, [0, 1, 2], [30, 31, 32]), "b": run({"batch_size": 8}, [0, 1, 2], [10, 11, 12]),
+             "c": run({"batch_size": 8}, [3, 4, 5], [13, 14, 15])}
+    variants = {json.dumps(v["overrides"]): v for v in cost.variant_rows(steps, {"blocks": 2.6e10, "kl": 1.3e9})}
+    assert set(variants) == {"{}", '{"batch_size": 8}'}
+    batch8 = variants['{"batch_size": 8}']
+    assert batch8["tags"] == ["b", "c"] and batch8["seeds"] == 6 and batch8["mean_scores"] == {"math": 12.5}
+    assert batch8["max_minutes"] < variants["{}"]["max_minutes"] / 4
+    assert batch8["p_vs_preset"]["math"] < 0.05  # six scores all below the preset's three
+    assert "p_vs_preset" not in variants["{}"]
