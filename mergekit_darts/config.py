@@ -165,6 +165,8 @@ class SurgeryConfig(_Strict):
     steps: StrictInt = Field(500, ge=0, le=MAX_STEPS)
     lr: YamlFloat = Field(1.0e-3, gt=0, le=MAX_LR, allow_inf_nan=False)
     batch_size: Optional[StrictInt] = Field(None, gt=0, le=MAX_BATCH)
+    # rows per forward/backward within a step, gradients summed: the same step in less memory (docs/scale.md)
+    micro_batch_size: Optional[StrictInt] = Field(None, gt=0, le=MAX_BATCH)
     seed: Optional[StrictInt] = Field(None, ge=0, le=MAX_SEED)
     device: str = "auto"
     dtype: Dtype = "auto"
@@ -250,6 +252,9 @@ class SurgeryConfig(_Strict):
              "ship zeros); set loss: kl or head_rank: 0"),
             *[(key, not kl, "loss", f"{key} is used only with loss: kl (loss is '{self.loss}'); remove it or "
                "set loss: kl") for key in ("kl_target", "kl_precision", "kl_positions_per_step", "kl_top_k")],
+            ("micro_batch_size", self.kl_positions_per_step is not None, "kl_positions_per_step",
+             "kl_positions_per_step draws its positions from the whole batch, not per micro-batch; remove one of "
+             "them (micro_batch_size saves memory without changing the step, kl_positions_per_step changes it)"),
             ("kl_top_k", kl and self.kl_target != "topk", "kl_target",
              f"kl_top_k is used only with kl_target: topk (kl_target is '{self.kl_target}')"),
             ("lr", self.lr_candidates is not None, "lr_candidates",

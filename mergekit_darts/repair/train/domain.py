@@ -2,12 +2,14 @@
 (docs/design.md §3, docs/quality.md)."""
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
 
 from mergekit_darts.config import SurgeryConfig, SurgeryConfigError
+from mergekit_darts.errors import DeviceError
 from mergekit_darts.repair.train.split import split_rows
 from mergekit_darts.settings import RunSettings
 
@@ -32,6 +34,25 @@ def held_out_objective(loss: str, held: Dict[str, torch.Tensor], corrected: torc
     before = surgery_loss(loss, held["merged"].float(), target, mask, entropy=entropy)
     after = surgery_loss(loss, corrected.float(), target, mask, entropy=entropy)
     return {"before": float(before), "after": float(after)}
+
+
+@contextmanager
+def memory_advice(name: str, surgery: SurgeryConfig):
+    """A GPU out of memory while training ``name`` becomes one line saying which setting lowers the
+    memory without changing what is trained (micro_batch_size), not a CUDA traceback."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as error:
+        micro = surgery.micro_batch_size
+        if micro is None:
+            advice = ("set surgery.micro_batch_size (e.g. 4: each step runs 4 sequences at a time and sums their "
+                      "gradients, the same training in less memory)")
+        elif micro > 1:
+            advice = f"lower surgery.micro_batch_size (now {micro})"
+        else:
+            advice = "micro_batch_size is already 1: lower max_positions or depth, or use a larger GPU"
+        raise DeviceError(f"surgery.domains.{name}: the GPU ran out of memory while training; {advice} "
+                          "(docs/scale.md)") from error
 
 
 @dataclass
@@ -84,19 +105,21 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
             start_from_deltas(module, deltas)
         return TailSurgery(tail, module.to(device)) if tail is not None else module
 
-    fitted = fit(
-        make_module,
-        on_device(train_idx), on_device(rows["validation"]) if rows["validation"].numel() else None,
-        loss=surgery.loss, steps=surgery.steps, lrs=list(surgery.lr_candidates or [surgery.lr]),
-        early_stopping=surgery.early_stopping, eval_every=surgery.eval_every, patience=surgery.patience,
-        weight_decay=surgery.weight_decay, batch_size=surgery.batch_size, seed=settings.seed,
-        expert_head=data.expert_head.to(device, torch.float32) if kl else None,
-        merged_head=merged_head.to(device, torch.float32) if kl else None,
-        chunk_size=surgery.kl_chunk_size, progress=settings.progress, lines=settings.stage_lines, desc=f"surgery[{name}]",
-        refit=on_device(rows["refit"]) if surgery.refit and rows["validation"].numel() else None,
-        kl_options={"kl_target": surgery.kl_target, "kl_top_k": surgery.kl_top_k,
-                    "kl_precision": surgery.kl_precision, "kl_positions_per_step": surgery.kl_positions_per_step},
-    )
+    with memory_advice(name, surgery):
+        fitted = fit(
+            make_module,
+            on_device(train_idx), on_device(rows["validation"]) if rows["validation"].numel() else None,
+            loss=surgery.loss, steps=surgery.steps, lrs=list(surgery.lr_candidates or [surgery.lr]),
+            early_stopping=surgery.early_stopping, eval_every=surgery.eval_every, patience=surgery.patience,
+            weight_decay=surgery.weight_decay, batch_size=surgery.batch_size, micro_batch_size=surgery.micro_batch_size,
+            seed=settings.seed,
+            expert_head=data.expert_head.to(device, torch.float32) if kl else None,
+            merged_head=merged_head.to(device, torch.float32) if kl else None,
+            chunk_size=surgery.kl_chunk_size, progress=settings.progress, lines=settings.stage_lines, desc=f"surgery[{name}]",
+            refit=on_device(rows["refit"]) if surgery.refit and rows["validation"].numel() else None,
+            kl_options={"kl_target": surgery.kl_target, "kl_top_k": surgery.kl_top_k,
+                        "kl_precision": surgery.kl_precision, "kl_positions_per_step": surgery.kl_positions_per_step},
+        )
     history = fitted.history
     measured = fitted.module.eval()  # what the held-out numbers are measured with (with depth: tail + surgery)
     no_regret, rejected = None, None

@@ -2,8 +2,10 @@
 
 The models are frozen and their hidden states cached, so a step is a few small matmuls (plus two
 vocabulary-sized ones per chunk for ``kl``): take the step's rows, correct them, the loss, one Adam
-step. Full batch unless ``batch_size`` is given. ``train_surgery`` reads top to bottom; the helpers
-below it pick the rows and hold the KL target at scale.
+step. Full batch unless ``batch_size`` is given; ``micro_batch_size`` runs a step's rows a few at a
+time and sums their gradients, weighted by their share of the step's loss, so a step is the same step
+in less memory (docs/scale.md). ``train_surgery`` reads top to bottom; the helpers below it pick the
+rows and hold the KL target at scale.
 """
 
 import logging
@@ -52,6 +54,7 @@ def train_surgery(
     batch_size: Optional[int] = None,
     seed: int = 0,
     *,
+    micro_batch_size: Optional[int] = None,
     expert_head: Optional[torch.Tensor] = None,
     merged_head: Optional[torch.Tensor] = None,
     kl_chunk_size: int = DEFAULT_CHUNK,
@@ -71,6 +74,9 @@ def train_surgery(
     dtype; each batch is promoted to float32). mask: [N, T], true at real tokens. position_ids:
     [N, T]. entropy: [N, T] expert entropies (ewl1/ewmse). ``kl`` needs ``expert_head`` and
     ``merged_head`` ([V, H]). The module moves to ``merged.device``.
+    ``micro_batch_size``: at most that many rows per forward and backward; the step's gradient is the
+    sum of theirs, each weighted by its rows' share of the loss's weight (valid positions, or the
+    entropy for ewl1/ewmse), so it equals the whole batch's up to float rounding.
     ``weight_decay > 0`` uses AdamW (decoupled decay on every parameter of the correction).
     ``on_step(steps_done, module)`` is called after each step; returning True stops training
     (early stopping, train/selection.py). ``progress``: a tqdm bar; ``lines``: a line every few seconds
@@ -82,7 +88,7 @@ def train_surgery(
     float32 loss over every position.
     """
     _check_inputs(surgery, merged, target, mask, position_ids, entropy, loss)
-    _check_settings(steps, lr, batch_size, weight_decay, kl_positions_per_step)
+    _check_settings(steps, lr, batch_size, weight_decay, kl_positions_per_step, micro_batch_size)
     device = merged.device
     surgery.to(device).train()
     adam = torch.optim.AdamW if weight_decay > 0 else torch.optim.Adam
@@ -96,21 +102,28 @@ def train_surgery(
         scaled = _ScaledKL(target, mask, expert_head, merged_head, device, kl_target, kl_top_k, kl_precision,
                            kl_positions_per_step, kl_chunk_size, generator)
 
+    row_weight = (entropy.float() * mask if loss in ENTROPY_WEIGHTED else mask).float().sum(dim=1)
+
+    def batch_loss(index: Optional[torch.Tensor]) -> torch.Tensor:
+        corrected = surgery(_take(merged, index).float(), _take(position_ids, index))
+        if scaled is not None:
+            return scaled.loss(corrected, index, head_correction)
+        return surgery_loss(loss, corrected, _take(target, index), _take(mask, index),
+                            entropy=_take(entropy, index), expert_head=expert_head, merged_head=merged_head,
+                            head_correction=head_correction, chunk_size=kl_chunk_size)
+
     history: List[float] = []
     bar = progress_bar(steps, desc, bars=progress, lines=lines, unit="steps")
     for step in range(steps):
         index = batches.next()  # None: the whole set
-        corrected = surgery(_take(merged, index).float(), _take(position_ids, index))
-        if scaled is not None:
-            value = scaled.loss(corrected, index, head_correction)
-        else:
-            value = surgery_loss(loss, corrected, _take(target, index), _take(mask, index),
-                                 entropy=_take(entropy, index), expert_head=expert_head, merged_head=merged_head,
-                                 head_correction=head_correction, chunk_size=kl_chunk_size)
         optimizer.zero_grad(set_to_none=True)
-        value.backward()
+        value = 0.0
+        for part, share in _micro_batches(index, merged.shape[0], micro_batch_size, row_weight):
+            part_loss = batch_loss(part) if share is None else batch_loss(part) * share
+            part_loss.backward()  # this part's activations are freed before the next part runs
+            value += float(part_loss.detach())
         optimizer.step()
-        history.append(float(value.detach()))
+        history.append(value)
         bar.update(1)
         if on_step is not None and on_step(step + 1, surgery):
             break
@@ -121,7 +134,7 @@ def train_surgery(
     return history
 
 
-def _check_settings(steps, lr, batch_size, weight_decay, kl_positions_per_step) -> None:
+def _check_settings(steps, lr, batch_size, weight_decay, kl_positions_per_step, micro_batch_size=None) -> None:
     if steps < 0:
         raise ValueError(f"steps: must be >= 0, got {steps}")
     if lr <= 0:
@@ -132,6 +145,11 @@ def _check_settings(steps, lr, batch_size, weight_decay, kl_positions_per_step) 
         raise ValueError(f"weight_decay: must be >= 0, got {weight_decay}")
     if kl_positions_per_step is not None and kl_positions_per_step <= 0:
         raise ValueError(f"kl_positions_per_step: must be positive, got {kl_positions_per_step}")
+    if micro_batch_size is not None and micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size: must be positive, got {micro_batch_size}")
+    if micro_batch_size is not None and kl_positions_per_step is not None:
+        raise ValueError("micro_batch_size together with kl_positions_per_step: the positions are drawn from the "
+                         "whole batch, not per micro-batch; remove one of them")
 
 
 def _take(tensor: Optional[torch.Tensor], index: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -139,6 +157,24 @@ def _take(tensor: Optional[torch.Tensor], index: Optional[torch.Tensor]) -> Opti
     if tensor is None or index is None:
         return tensor
     return tensor[index.to(tensor.device)]
+
+
+def _micro_batches(index: Optional[torch.Tensor], n: int, size: Optional[int], row_weight: torch.Tensor):
+    """(rows, share of the step's loss) for each micro-batch of the step's rows ``index`` (None: all
+    ``n``): one part with share None when no split is asked for or needed; parts whose rows carry no
+    weight (padding only) are left out, as the whole batch's loss leaves those rows out."""
+    rows = torch.arange(n) if index is None else index
+    if size is None or size >= rows.numel():
+        yield index, None
+        return
+    total = float(row_weight[rows.to(row_weight.device)].sum())
+    if total <= 0:  # no weight at all: the whole batch's loss says what is wrong
+        yield index, None
+        return
+    for part in rows.split(size):
+        weight = float(row_weight[part.to(row_weight.device)].sum())
+        if weight > 0:
+            yield part, weight / total
 
 
 class _Batches:

@@ -81,7 +81,7 @@ def fit(make_module: Callable[[], Any], train_data: Dict[str, torch.Tensor],
         early_stopping: bool, eval_every: int, patience: int, weight_decay: float, batch_size, seed: int,
         expert_head, merged_head, chunk_size: int, progress: bool, desc: str, lines: bool = False,
         refit: Optional[Dict[str, torch.Tensor]] = None,
-        kl_options: Optional[Dict[str, Any]] = None) -> FitResult:
+        kl_options: Optional[Dict[str, Any]] = None, micro_batch_size: Optional[int] = None) -> FitResult:
     """Train one module per lr in ``lrs`` (each from the same seeded initialisation) and keep the one
     with the lowest validation loss; with ``early_stopping`` each run keeps its best validation step.
     Without validation data there is nothing to choose with: one run at ``lrs[0]``, all steps.
@@ -101,6 +101,7 @@ def fit(make_module: Callable[[], Any], train_data: Dict[str, torch.Tensor],
         return train_surgery(
             module, data["merged"], data["target"], data["mask"], data["position_ids"],
             entropy=data["entropy"], loss=loss, steps=steps_, lr=lr, batch_size=batch_size, seed=seed,
+            micro_batch_size=micro_batch_size,
             expert_head=expert_head, merged_head=merged_head, kl_chunk_size=chunk_size,
             progress=progress, lines=lines, desc=f"{desc} {label}", weight_decay=weight_decay, on_step=on_step,
             **kl_options,
