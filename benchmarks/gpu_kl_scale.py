@@ -25,7 +25,10 @@ its 32 blocks as the frozen tail, and the real ``train_surgery`` loop over ``--p
 ``preset_bf16_autocast`` (the same, the blocks under bfloat16 autocast: what a GPU run does). Seconds
 per step are scaled linearly to the preset's 20,480 positions per domain (40 records x 512; the run
 trains the early-stopped steps on 32 of them, then refits on all 40) and to ``--preset-steps`` steps, and
-printed as minutes per domain against the 10-minute target. With ``--small`` (H 64, 2 layers) it runs on a CPU:
+printed as minutes per domain against the 10-minute target; ``--preset-batch B``: B records per step
+(``batch_size``) instead of the full batch. The peak memory of the measured step is what one step of
+``--preset-samples`` records (or one micro-batch of that many, ``micro_batch_size``) needs. With
+``--small`` (H 64, 2 layers) it runs on a CPU:
 
     python benchmarks/gpu_kl_scale.py --preset                          # on a CUDA machine (minutes)
     python benchmarks/gpu_kl_scale.py --preset --small --device cpu     # tiny shapes: checks the script runs
@@ -74,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--preset-samples", type=int, default=8, help="records of --tokens per measured step")
     p.add_argument("--preset-steps", type=int, nargs=2, default=[500, 500], metavar=("STOPPED", "REFIT"),
                    help="steps of the early-stopped run (32 records) and of the refit (40 records) per domain")
+    p.add_argument("--preset-batch", type=int, default=None,
+                   help="records per step (batch_size; default: the full batch, as the preset trains)")
     args = p.parse_args(argv)
     args.shape = (4096, 11008, 32, 32, 32000)  # hidden, MLP, layers, heads, vocabulary (Llama-2-7B)
     if args.small and args.preset:
@@ -166,7 +171,8 @@ def preset_step(args, device) -> dict:
             per_steps.append((timed_run(make, inputs, autocast, 1 + args.steps) - one) / args.steps)
         per_step = statistics.median(per_steps)
         scale = full_positions / (n * t)
-        domain_s = per_step * scale * (stopped * 32 / 40 + refit)  # positions: 32 records, then all 40
+        batch = args.preset_batch or 40  # records per step: the stopped run has 32, the refit all 40
+        domain_s = per_step * scale * (stopped * min(batch, 32) + refit * min(batch, 40)) / 40
         results[name] = {"seconds_per_step": per_step, "per_step_runs": per_steps,
                          "seconds_per_step_at_20480_positions": per_step * scale,
                          "minutes_per_domain": domain_s / 60,
@@ -174,10 +180,10 @@ def preset_step(args, device) -> dict:
         rows.append([name, f"{per_step:.4f}", f"{per_step * scale:.2f}", f"{domain_s / 60:.2f}"])
         log(f"{name}: {per_step:.4f} s/step")
     print_table(f"preset: best's step on {device} ({machine_info()['cuda'] or 'cpu'}), hidden {hidden}, {layers} layers, "
-                f"{n} x {t} positions measured; minutes per domain for {stopped} + {refit} (refit) steps at 20,480 "
-                "positions (target: 10)", ["variant", "s/step", "s/step at 20480", "min per domain"], rows)
+                f"{n} x {t} positions measured; minutes per domain for {stopped} + {refit} (refit) steps of "
+                f"{args.preset_batch or 'all'} records (the full batch: 20,480 positions; target: 10)", ["variant", "s/step", "s/step at 20480", "min per domain"], rows)
     return {"shape": dict(zip(("hidden", "mlp", "layers", "heads", "vocab"), args.shape)), "rows": n, "tokens": t,
-            "steps": {"stopped": stopped, "refit": refit}, "measured": results,
+            "steps": {"stopped": stopped, "refit": refit}, "batch_size": args.preset_batch, "measured": results,
             "flop_model": preset_flops(hidden, mlp, layers, vocab, n, t, kl_matmuls=3 if n * t <= args.chunk else 5)}
 
 
