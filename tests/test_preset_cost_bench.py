@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -66,3 +68,15 @@ def test_variants_group_tags_with_the_same_overrides_and_test_against_the_preset
     assert batch8["max_minutes"] < variants["{}"]["max_minutes"] / 4
     assert batch8["p_vs_preset"]["math"] < 0.05  # six scores all below the preset's three
     assert "p_vs_preset" not in variants["{}"]
+
+
+def test_the_micro_batch_memory_benchmark_runs_and_every_variant_takes_the_same_step(tmp_path):
+    out = tmp_path / "micro.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_micro_batches.py"), "--micro", "2",
+                             "--rows", "4", "--tokens", "8", "--layers", "1", "--threads", "1", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["result"]
+    assert [r["micro_batch_size"] for r in rows] == [None, 2]
+    assert rows[0]["first_loss"] == pytest.approx(rows[1]["first_loss"], rel=1e-6)
+    assert all(r["peak_added_mib"] >= 0 and r["seconds"] > 0 for r in rows)
