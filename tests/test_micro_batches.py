@@ -18,7 +18,7 @@ BLOCK_PREFIX = "blocks."
 DOMAINS = {"math": {"model": "m", "calibration": {"texts": ["a b"]}}}
 
 
-def _trained(loss, micro, batch_size=None, steps=4, depth=False):
+def _trained(loss, micro, batch_size=None, steps=4, depth=False, **kl_options):
     """A tiny correction (with ``depth``: adapters in both blocks of a random Llama) trained on rows of
     uneven length, one of them padding only; its parameters after ``steps`` steps."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
@@ -54,7 +54,8 @@ def _trained(loss, micro, batch_size=None, steps=4, depth=False):
     torch.optim.Adam.step = recording_step
     try:
         history = train_surgery(trained, merged, target, mask, positions, entropy=entropy, loss=loss, steps=steps,
-                                lr=1e-2, batch_size=batch_size, seed=3, micro_batch_size=micro, **heads)
+                                lr=1e-2, batch_size=batch_size, seed=3, micro_batch_size=micro, **heads,
+                                **kl_options)
     finally:
         torch.optim.Adam.step = adam_step
     return gradients, history
@@ -77,8 +78,9 @@ def test_micro_batches_train_what_the_whole_batch_trains(loss):
         _assert_same_training(whole, _trained(loss, micro), f"{loss} micro {micro}")
 
 
-def test_micro_batches_of_minibatches_and_of_the_blocks_adapters():
-    for kwargs in ({"batch_size": 4}, {"depth": True}, {"depth": True, "batch_size": 5}):
+def test_micro_batches_of_minibatches_of_the_blocks_adapters_and_of_cached_kl_targets():
+    for kwargs in ({"batch_size": 4}, {"depth": True}, {"depth": True, "batch_size": 5},
+                   {"kl_target": "bf16"}, {"kl_target": "topk", "kl_top_k": 8, "batch_size": 5}):
         whole = _trained("kl", None, **kwargs)
         assert ("depth" in kwargs) == any(k.startswith(BLOCK_PREFIX) for k in whole[0][0])
         _assert_same_training(whole, _trained("kl", 2, **kwargs), str(kwargs))
