@@ -165,8 +165,7 @@ class SurgeryConfig(_Strict):
     steps: StrictInt = Field(500, ge=0, le=MAX_STEPS)
     lr: YamlFloat = Field(1.0e-3, gt=0, le=MAX_LR, allow_inf_nan=False)
     batch_size: Optional[StrictInt] = Field(None, gt=0, le=MAX_BATCH)
-    # rows per forward/backward within a step, gradients summed: the same step in less memory (docs/scale.md)
-    micro_batch_size: Optional[StrictInt] = Field(None, gt=0, le=MAX_BATCH)
+    micro_batch_size: Optional[StrictInt] = Field(None, gt=0, le=MAX_BATCH)  # the same step in parts (memory)
     seed: Optional[StrictInt] = Field(None, ge=0, le=MAX_SEED)
     device: str = "auto"
     dtype: Dtype = "auto"
