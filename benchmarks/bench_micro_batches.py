@@ -35,23 +35,14 @@ def one_step(settings: dict) -> dict:
     """Child process: build the model and rows, reset the memory peak, train one step; what it added."""
     import torch
 
-    from bench_training import preset_modules, random_llama
+    from bench_training import preset_modules, preset_rows, random_llama
     from mergekit_darts.repair.train.loop import train_surgery
 
     torch.set_num_threads(settings["threads"])
     n, t, vocab = settings["rows"], settings["tokens"], 4000
     model = random_llama(512, 1376, settings["layers"], 8, vocab, t)
     tail, preset, _ = preset_modules(model)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, vocab, (n, t), generator=generator)
-    positions = torch.arange(t).expand(n, t).contiguous()
-    mask = torch.ones(n, t, dtype=torch.bool)
-    with torch.no_grad():
-        embeddings = model.model.embed_tokens(ids)
-        final = tail(embeddings, positions)
-    head = model.lm_head.weight.detach()
-    expert_head = head + 0.02 * torch.randn(head.shape, generator=generator)
-    target = final + 0.1 * torch.randn(final.shape, generator=generator)
+    data = preset_rows(model, tail, n, t)
     del model
     torch.manual_seed(0)
     module = preset()
@@ -59,8 +50,8 @@ def one_step(settings: dict) -> dict:
         handle.write("5")  # reset VmHWM to the current resident size
     start_kib = _status_kib("VmRSS")
     started = time.perf_counter()
-    history = train_surgery(module, embeddings, target, mask, positions, loss="kl", steps=1, lr=1e-3,
-                            expert_head=expert_head, merged_head=head, micro_batch_size=settings["micro"])
+    history = train_surgery(module, data["embeddings"], data["target"], data["mask"], data["positions"], loss="kl",
+                            steps=1, lr=1e-3, micro_batch_size=settings["micro"], **data["heads"])
     return {"micro_batch_size": settings["micro"], "seconds": time.perf_counter() - started,
             "peak_added_mib": (_status_kib("VmHWM") - start_kib) / 1024, "first_loss": history[0]}
 

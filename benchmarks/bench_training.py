@@ -261,6 +261,23 @@ def preset_modules(model, rank=64, depth_rank=8):
     return tail, preset, kl_only
 
 
+def preset_rows(model, tail, n, t, seed=0) -> dict:
+    """Seeded random rows for a preset step on ``model``: its embeddings (the tail's input), the tail's
+    final states, a target near them, the mask and positions, and the heads (``expert_head``: the
+    merged head plus noise); a dict of train_surgery's tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (n, t), generator=generator)
+    positions = torch.arange(t).expand(n, t).contiguous()
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens(ids)
+        final = tail(embeddings, positions)
+    head = model.lm_head.weight.detach()
+    return {"embeddings": embeddings, "final": final, "target": final + 0.1 * torch.randn(final.shape, generator=generator),
+            "mask": torch.ones(n, t, dtype=torch.bool), "positions": positions,
+            "heads": {"expert_head": head + 0.02 * torch.randn(head.shape, generator=generator), "merged_head": head}}
+
+
 def preset_flops(hidden, mlp, layers, vocab, n, t, kl_matmuls=3) -> dict:
     """The FLOP model of docs/scale.md for one full-batch step at these shapes: the blocks forward
     (2 x weights x positions, plus attention scores 4 x t x hidden per position per layer) and backward to
@@ -282,17 +299,9 @@ def preset_ratio(args) -> dict:
     n, t = args.preset_rows
     model = random_llama(hidden, mlp, layers, heads, vocab, t)
     tail, preset, kl_only = preset_modules(model)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, vocab, (n, t), generator=g)
-    positions = torch.arange(t).expand(n, t).contiguous()
-    mask = torch.ones(n, t, dtype=torch.bool)
-    with torch.no_grad():
-        embeddings = model.model.embed_tokens(ids)
-        final = tail(embeddings, positions)
-    head = model.lm_head.weight.detach()
-    expert_head = head + 0.02 * torch.randn(head.shape, generator=g)
-    target = final + 0.1 * torch.randn(final.shape, generator=g)
-    heads_ = {"expert_head": expert_head, "merged_head": head}
+    data = preset_rows(model, tail, n, t)
+    embeddings, final, target, mask, positions, heads_ = (
+        data[k] for k in ("embeddings", "final", "target", "mask", "positions", "heads"))
     del model
 
     def step(make, inputs, autocast=None):

@@ -44,30 +44,26 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from bench_training import preset_modules
+    from bench_training import preset_modules, preset_rows
     from mergekit_darts.repair.train.loop import train_surgery
 
     model = AutoModelForCausalLM.from_pretrained(base_directory(args.workdir), dtype=torch.float32).eval()
     config = model.config
     n, t = args.rows, args.tokens
     tail, preset, kl_only = preset_modules(model)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, config.vocab_size, (n, t), generator=generator)
-    positions = torch.arange(t).expand(n, t).contiguous()
-    mask = torch.ones(n, t, dtype=torch.bool)
-    with torch.no_grad():
-        embeddings = model.model.embed_tokens(ids)
-        final = tail(embeddings, positions)
-    head = model.lm_head.weight.detach()
-    heads = {"expert_head": head + 0.02 * torch.randn(head.shape, generator=generator), "merged_head": head}
-    target = final + 0.1 * torch.randn(final.shape, generator=generator)
+    data = preset_rows(model, tail, n, t)
     del model
     rows, result = [], {}
-    for name, make, inputs in (("kl_depth0", kl_only, final), ("preset_best", preset, embeddings)):
+    for name, make, inputs in (("kl_depth0", kl_only, data["final"]), ("preset_best", preset, data["embeddings"])):
         module = make()
-        train_surgery(module, inputs, target, mask, positions, loss="kl", steps=1, lr=1e-3, **heads)  # warm-up
+
+        def train(steps):
+            train_surgery(module, inputs, data["target"], data["mask"], data["positions"], loss="kl", steps=steps,
+                          lr=1e-3, **data["heads"])
+
+        train(1)  # warm-up
         cpu, wall = time.process_time(), time.perf_counter()
-        train_surgery(module, inputs, target, mask, positions, loss="kl", steps=args.steps, lr=1e-3, **heads)
+        train(args.steps)
         per_step = {"cpu_s": (time.process_time() - cpu) / args.steps, "wall_s": (time.perf_counter() - wall) / args.steps}
         # the preset's whole batch: 32 records of this length while early stopping, 40 in the refit
         per_step["wall_s_at_40_records"] = per_step["wall_s"] * 40 / n
