@@ -53,7 +53,7 @@ def test_the_7b_estimate_charges_a_minibatch_step_for_its_records_only():
 
 def test_variants_group_tags_with_the_same_overrides_and_test_against_the_preset():
     cost = _cost_module()
-    domain = {"steps_run": 500, "chosen_steps": 500, "refit_records": 40, "gap_closed": 0.9}
+    domain = {"steps_run": 500, "chosen_steps": 500, "refit_records": 40, "gap_closed": 0.9, "baseline_gap_closed": 0.4}
 
     def run(overrides, seeds, math):
         return {"overrides": overrides,
@@ -67,7 +67,8 @@ def test_variants_group_tags_with_the_same_overrides_and_test_against_the_preset
     assert batch8["tags"] == ["b", "c"] and batch8["seeds"] == 6 and batch8["mean_scores"] == {"math": 12.5}
     assert batch8["max_minutes"] < variants["{}"]["max_minutes"] / 4
     assert batch8["p_vs_preset"]["math"] < 0.05  # six scores all below the preset's three
-    assert "p_vs_preset" not in variants["{}"]
+    assert "p_vs_preset" not in variants["{}"] and variants["{}"]["is_preset"] and not batch8["is_preset"]
+    assert batch8["mean_gap_closed"] == {"math": 0.9} and batch8["mean_extract_gap_closed"] == {"math": 0.4}
 
 
 def test_the_micro_batch_memory_benchmark_runs_and_every_variant_takes_the_same_step(tmp_path):
