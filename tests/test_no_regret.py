@@ -191,8 +191,9 @@ def test_the_synthesize_writer_is_named_in_the_warning(caplog):
 
 
 def test_verdict_unit_cases():
-    """Issue 46 item 1 on hand-made entries: improved needs the behaviour figures to get no worse and
-    one of them to move; otherwise mixed / unchanged with why; a worse objective stays worse."""
+    """Issue 46 item 1 on hand-made entries: improved needs the behaviour figures to get no worse (else
+    mixed, with why), and when neither moved the KL to the expert to improve (issue 54: a tie on behaviour
+    is said, with its prompt count, and is no verdict of "no better"); a worse objective stays worse."""
     from mergekit_darts.repair.report.verdict import choose_default, domain_verdict, verdict_note
 
     def entry(kl, exact, top1):
@@ -205,8 +206,24 @@ def test_verdict_unit_cases():
     mixed = domain_verdict(entry((0.5, 0.4), (0.3, 0.2), (0.5, 0.6)), "kl")
     assert mixed["status"] == "mixed" and mixed["why"] == "KL to expert improved but greedy exact match got worse (0.3 -> 0.2)"
     assert verdict_note(mixed).count("greedy exact match") == 1  # said once, not again as a disagreeing figure
+    # issue 54: a tie on behaviour is no evidence of no gain; the distribution figure decides, the tie is said
     still = domain_verdict(entry((0.5, 0.4), (0.3, 0.3), (0.5, 0.5)), "kl")
-    assert still["status"] == "unchanged" and "no greedy decision changed" in still["why"]
+    assert still["status"] == "improved" and "why" not in still
+    assert still["behaviour_tie"] == ("no greedy decision changed on the 10 held-out prompts (greedy exact match "
+                                      "0.3 -> 0.3, top-1 agreement 0.5 -> 0.5): a tie on behaviour, not evidence of "
+                                      "no gain; the distribution improved (KL to expert 0.5 -> 0.4)")
+    assert still["behaviour_tie"] in verdict_note(still)
+    ceiling = domain_verdict(entry((0.5275, 0.04126), (1.0, 1.0), (1.0, 1.0)), "kl")
+    assert ceiling["status"] == "improved" and "already wrote the expert's continuation on every one" in \
+        ceiling["behaviour_tie"]
+    # a hidden-state objective that improved while neither behaviour nor the KL did is no better
+    flat = dict(entry((0.5, 0.6), (0.3, 0.3), (0.5, 0.5)), held_out_loss={"before": 2.0, "after": 1.0})
+    unchanged = domain_verdict(flat, "ewl1")
+    assert unchanged["status"] == "unchanged" and "behaviour_tie" not in unchanged
+    assert unchanged["why"].startswith("ewl1 loss improved (2 -> 1) but the KL to the expert did not (0.5 -> 0.6)")
+    assert "no greedy decision changed on the 10 held-out prompts" in unchanged["why"]
+    improved_kl = dict(flat, held_out_kl={"before": 0.5, "after": 0.4})
+    assert domain_verdict(improved_kl, "ewl1")["status"] == "improved"
     tie = domain_verdict(entry((0.5, 0.5), (0.3, 0.3), (0.5, 0.5)), "kl")
     assert tie["status"] == "unchanged" and tie["why"].startswith("an exact tie")
     worse = domain_verdict(entry((0.5, 0.6), (0.3, 0.4), (0.5, 0.5)), "kl")

@@ -79,26 +79,45 @@ def _behaviour_moves(entry: Dict[str, Any]) -> List[Tuple[str, Any, Any, Optiona
     return [(label, b, a, _moved(b, a, True)) for label, b, a in moves if _finite(b) and _finite(a)]
 
 
-def _overall(objective: str, label: str, before: Any, after: Any, entry: Dict[str, Any]) -> Tuple[str, str]:
-    """(status, why): the objective's direction, unless what the model generates says otherwise. An
-    improved objective whose behaviour figures got worse is "mixed"; one whose behaviour figures did not
-    move at all is "unchanged" (every greedy decision is the plain merge's); the untrained identity
-    kept by the no-regret comparison is "unchanged" whatever float noise its replay adds."""
+def _overall(objective: str, label: str, before: Any, after: Any, entry: Dict[str, Any]) -> Tuple[str, str, str]:
+    """(status, why, tie): the objective's direction, unless what the model generates says otherwise. An
+    improved objective whose behaviour figures got worse is "mixed". Behaviour figures that did not move at
+    all (no greedy decision on the held-out prompts changed) are a tie on behaviour, not evidence of no
+    gain: the verdict leans on the distribution figure, the held-out KL to the expert, and ``tie`` says how
+    many prompts tied and on what; only when that KL did not improve either is the domain "unchanged".
+    The untrained identity kept by the no-regret comparison is "unchanged" whatever float noise its replay adds."""
     kept = entry.get("no_regret") or {}
     if kept.get("kept") == "start" and kept.get("start") == "identity" and objective != "non_finite":
-        return "unchanged", "the untrained start (the identity: the plain merge) was kept"
+        return "unchanged", "the untrained start (the identity: the plain merge) was kept", ""
     if objective == "unchanged":
-        return "unchanged", f"an exact tie: {label} {_short(before)} before and after"
+        return "unchanged", f"an exact tie: {label} {_short(before)} before and after", ""
     moves = _behaviour_moves(entry)
     if objective != "improved" or not moves:
-        return objective, ""
+        return objective, "", ""
     worse = [f"{m} got worse ({_short(b)} -> {_short(a)})" for m, b, a, direction in moves if direction == "worse"]
     if worse:
-        return "mixed", f"{label} improved but {' and '.join(worse)}"
-    if all(direction is None for *_, direction in moves):
-        return "unchanged", (f"{label} improved ({_short(before)} -> {_short(after)}) but no greedy decision "
-                             f"changed: {' and '.join(m for m, *_ in moves)} are the plain merge's")
-    return "improved", ""
+        return "mixed", f"{label} improved but {' and '.join(worse)}", ""
+    if any(direction is not None for *_, direction in moves):
+        return "improved", "", ""
+    tie = behaviour_tie(entry, moves)
+    kl = entry.get("held_out_kl") or {}
+    if _moved(kl.get("before"), kl.get("after"), False) == "improved":
+        return "improved", "", (f"{tie}: a tie on behaviour, not evidence of no gain; the distribution improved "
+                                f"(KL to expert {_short(kl['before'])} -> {_short(kl['after'])})")
+    return "unchanged", (f"{label} improved ({_short(before)} -> {_short(after)}) but the KL to the expert did not "
+                         f"({_short(kl.get('before'))} -> {_short(kl.get('after'))}) and {tie}"), ""
+
+
+def behaviour_tie(entry: Dict[str, Any], moves) -> str:
+    """``"no greedy decision changed on the 10 held-out prompts (greedy exact match 1 -> 1, ...)"``: what tied,
+    on how many prompts, and whether the plain merge already wrote the expert's continuation on every one."""
+    prompts = (entry.get("behaviour") or {}).get("prompts")
+    counted = f"the {prompts} held-out prompt{'s' if prompts != 1 else ''}" if isinstance(prompts, int) \
+        else "the held-out prompts"
+    figures = ", ".join(f"{m} {_short(b)} -> {_short(a)}" for m, b, a, _ in moves)
+    ceiling = "; the plain merge already wrote the expert's continuation on every one" \
+        if all(b == 1 for _, b, _, _ in moves) else ""
+    return f"no greedy decision changed on {counted} ({figures}{ceiling})"
 
 
 def _short(value: Any) -> str:
@@ -108,19 +127,22 @@ def _short(value: Any) -> str:
 def domain_verdict(entry: Dict[str, Any], loss: str) -> Dict[str, Any]:
     """``{"status": "improved" | "mixed" | "unchanged" | "worse" | "non_finite", "decided_by", "before",
     "after", "measured_on", "disagreeing"}`` and, unless improved, ``"why"``: whether the correction beat
-    the plain merge. The metric that decides (``verdict_metrics``) gives the direction; where the
-    behaviour figures were measured, "improved" also needs the greedy exact match and top-1 agreement to
-    get no worse and one of them to move (``_overall``). ``disagreeing`` lists every other measured
+    the plain merge; ``"behaviour_tie"`` when it improved the distribution and no greedy decision changed.
+    The metric that decides (``verdict_metrics``) gives the direction; where the behaviour figures were
+    measured, "improved" also needs the greedy exact match and top-1 agreement to get no worse, and, when
+    neither moved, the held-out KL to the expert to improve (``_overall``). ``disagreeing`` lists every other measured
     figure (``verdict_metrics``' others and ``measured_figures``) that moved against the deciding metric."""
     (label, before, after), *others = verdict_metrics(entry, loss)
     objective = _status(before, after)
-    status, why = _overall(objective, label, before, after, entry)
+    status, why, tie = _overall(objective, label, before, after, entry)
     held_out = entry.get("bias_split", "held_out") == "held_out"
     verdict = {"status": status, "decided_by": f"{'held-out' if held_out else 'training-records'} {label}",
                "metric": label, "before": before, "after": after,
                "measured_on": "held-out records" if held_out else "training records"}
     if why:
         verdict["why"] = why
+    if tie:  # improved on the distribution, tied on behaviour: said, with the number of prompts
+        verdict["behaviour_tie"] = tie
     figures = [(other, b, a, False) for other, b, a in others]
     figures += [figure for figure in measured_figures(entry) if figure[0] not in {label, *(o[0] for o in others)}]
     moved = [(other, b, a, _moved(b, a, higher)) for other, b, a, higher in figures]
@@ -138,6 +160,8 @@ def verdict_note(verdict: Dict[str, Any]) -> str:
     note = f"decided by {verdict.get('decided_by', verdict.get('metric', '?'))}"
     if verdict.get("why"):  # why a measured objective did not make it "improved"
         note += f"; {verdict['status']}: {verdict['why']}"
+    if verdict.get("behaviour_tie"):
+        note += f"; {verdict['behaviour_tie']}"
     for other in verdict.get("disagreeing") or ():
         if other["metric"] not in verdict.get("why", ""):  # said already
             note += f"; {other['metric']} got {'worse' if other['status'] == 'worse' else 'better'}"
