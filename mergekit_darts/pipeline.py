@@ -155,7 +155,11 @@ def _merge_and_repair_staged(config_source, out_path, run_merge, options, merge_
         if failed is not None:
             raise failed from None
         raise
-    stage.commit()
+    try:
+        stage.commit()  # a signal waits for the switch and the deletion of the old contents (staging.py)
+    except KeyboardInterrupt as error:
+        describe(error, stage.interrupted_switch(out_path))
+        raise
     return report
 
 

@@ -13,14 +13,13 @@ The baked directory is the merge's own architecture: no ``auto_map``, no ``darts
 code. Tensors are streamed one at a time from the merged shards (``safe_open``) into new safetensors
 files written by hand, a folded one made only as it is written (``Replacement``), so memory stays near
 the largest tensor; everything is written into a staging directory beside DEST and switched in with one
-``os.replace``.
+``os.replace`` (``staging.staged_directory``: SIGINT and SIGTERM remove the partial copy).
 """
 
 import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -30,6 +29,7 @@ from safetensors import safe_open
 from mergekit_darts.errors import FoldError, FormatError
 from mergekit_darts.output import card, dropped, layout
 from mergekit_darts.output.layout import DARTS_SHARD, INDEX, SINGLE_WEIGHTS
+from mergekit_darts.output.staging import staged_directory
 from mergekit_darts.remote_code.surgery import SurgeryShape
 
 LOG = logging.getLogger(__name__)
@@ -322,21 +322,6 @@ def copy_plain_files(out_dir: str, dest: str) -> List[str]:
         shutil.copyfile(path, os.path.join(dest, name))
         copied.append(name)
     return copied
-
-
-def staged_directory(dest: str, write) -> None:
-    """Run ``write(stage)`` in a staging directory beside ``dest``, then rename it to ``dest`` (atomic)."""
-    dest = os.path.abspath(dest)
-    if os.path.exists(dest):
-        raise FoldError(f"DEST: {dest} already exists; choose a new directory (nothing was overwritten)")
-    parent = os.path.dirname(dest)
-    os.makedirs(parent, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=layout.STAGING_PREFIX, dir=parent)
-    try:
-        write(stage)
-        os.replace(stage, dest)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- bake

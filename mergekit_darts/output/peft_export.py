@@ -41,9 +41,9 @@ from mergekit_darts.errors import FoldError
 from mergekit_darts.output import dropped, layout
 from mergekit_darts.output.bake import (
     ROW_CHUNK, DomainFold, held_out_kl_note, load_domain_fold, merged_head_source, read_merged_tensor,
-    staged_directory,
 )
 from mergekit_darts.output.plain_base import write_plain_base
+from mergekit_darts.output.staging import staged_directory
 
 # PEFT's names for a LoRA on the top-level ``lm_head`` of a causal LM (peft.utils.save_and_load:
 # get_peft_model_state_dict drops the adapter name, keeping ``base_model.model.<module>.lora_X.weight``)
