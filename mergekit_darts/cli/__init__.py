@@ -13,6 +13,7 @@ from mergekit_darts import __version__
 
 # name -> ("module:attribute", one-line help shown by --help without importing the module)
 COMMANDS = {
+    "plan": ("mergekit_darts.cli.plan:plan_command", "Memory and minutes of CONFIG_FILE per stage and domain (estimate)."),
     "run": ("mergekit_darts.cli.repair:run_command", "Merge CONFIG_FILE, then run its surgery: block."),
     "surgery": ("mergekit_darts.cli.repair:surgery_command", "Run only the surgery: block on a merged directory."),
     "info": ("mergekit_darts.cli.repair:info_command", "Domains, experts and parameter counts of an output."),
