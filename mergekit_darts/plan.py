@@ -113,6 +113,7 @@ class Run:
     delta_start: bool
     bf16_weights: bool        # the capture's dtype (bfloat16 on a GPU by default)
     capture_batch: int = 8
+    rank: int = 16            # the final-state content correction's
 
 
 def train_records(run: Run) -> Tuple[int, int]:
@@ -132,7 +133,9 @@ def step_flops(shape: Shape, run: Run, records: int) -> Dict[str, float]:
     attention = 4 * run.depth * (run.tokens / 2) * shape.heads * shape.head_dim
     blocks = 2 * (2 * run.depth * shape.block_linear_parameters + attention) * positions
     matmuls = 0 if run.loss != "kl" else (2 if run.kl_target != "exact" else 5)
-    return {"blocks": blocks, "kl": matmuls * 2 * positions * shape.hidden * shape.vocab}
+    # the content correction's two [hidden x rank] matmuls, forward and backward (about 3x)
+    correction = 3 * 2 * 2 * shape.hidden * run.rank * positions
+    return {"blocks": blocks + correction, "kl": matmuls * 2 * positions * shape.hidden * shape.vocab}
 
 
 def training_seconds(shape: Shape, run: Run, card: Card) -> float:
@@ -234,7 +237,7 @@ def run_from_surgery(surgery, domain: str, layers: int, tokens: Optional[int] = 
                kl_positions=surgery.kl_positions_per_step, early_stopping=surgery.early_stopping,
                refit=surgery.refit, validation=surgery.validation, eval_every=surgery.eval_every,
                delta_start=surgery.adapter_init == "delta", bf16_weights=dtype == "bfloat16",
-               capture_batch=surgery.capture_batch_size)
+               capture_batch=surgery.capture_batch_size, rank=surgery.rank)
 
 
 def plan_domain(shape: Shape, run: Run, card: Card) -> dict:

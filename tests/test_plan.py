@@ -133,3 +133,20 @@ def _hub_config(name):
     from transformers import LlamaConfig
 
     return LlamaConfig(**{k: v for k, v in HUB_CONFIGS[name][0].items() if k != "model_type"})
+
+
+def test_the_plan_check_benchmark_compares_every_stage_with_a_run(tmp_path):
+    """benchmarks/plan_check.py at tiny shapes: the plan's figures beside a real mergekit-yaml run's."""
+    out = tmp_path / "plan_check.json"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "plan_check.py")
+    result = subprocess.run([sys.executable, script, "--hidden", "32", "--layers", "2", "--steps", "2", "--samples", "4",
+                             "--tokens", "16", "--threads", "1", "--out", str(out)], capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"ewl1", "preset_shape"}
+    for stages in rows.values():
+        assert set(stages) == {"capture", "train math", "train code", "peak memory added (bytes)"}
+        assert all(s["planned"] > 0 and s["measured"] > 0 for k, s in stages.items() if k != "peak memory added (bytes)")
+    # the preset's shape of training adapts every block: the plan counts it far above the final-state loss
+    assert rows["preset_shape"]["train math"]["planned"] > 10 * rows["ewl1"]["train math"]["planned"]
