@@ -1,9 +1,11 @@
 """``adapter_init: delta`` beyond the extract itself (issue 45 asks 1 and 3): directions the weight
-deltas leave empty start as a LoRA does and train; a re-run on an unchanged merge reads no expert
-weight file (the extract's factors are cached by content); with ``adapter_init: zero`` an expert whose
+deltas leave empty start as a LoRA does and train (whatever dtype the checkpoints are stored in); a
+re-run on an unchanged merge reads no expert tensor, only the safetensors headers the checks before
+the run read (the extract's factors are cached by content); with ``adapter_init: zero`` an expert whose
 tensors cannot be compared with the merge's leaves the baseline unmeasured, never fails the run."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -62,6 +64,64 @@ def test_empty_directions_start_as_lora_and_the_product_is_the_extract():
     (module.unchanged(inputs).sum() + module.changed(inputs).sum()).backward()
     assert bool(module.unchanged.up.weight.grad.abs().sum() > 0)
     assert bool(module.changed.up.weight.grad[:, 1:].abs().sum() > 0)
+
+
+@pytest.mark.parametrize("dtype,unit", [(torch.bfloat16, 2 ** -8), (torch.float16, 2 ** -11), (torch.float32, 2 ** -24)])
+def test_the_empty_direction_threshold_follows_the_checkpoints_dtype(tmp_path, dtype, unit):
+    """Issue 53 ask 6: a rank-3 LoRA-style delta on q_proj and a rank-2 one on the head, both models
+    stored in ``dtype``. Past the delta's rank the stored difference is the checkpoints' rounding; with
+    float32's rule alone (the threshold before) bfloat16 filled those directions with it (0 empty).
+    Now they are empty whatever the dtype, start as a LoRA does, and the filled ones are the delta's."""
+    from safetensors.torch import save_file
+
+    from mergekit_darts.remote_code.blocks import BlockAdapter
+    from mergekit_darts.repair.train.delta_init import (domain_deltas, low_rank_factors, start_from_deltas,
+                                                        unit_roundoff)
+
+    assert unit_roundoff(dtype) == unit
+    generator = torch.Generator().manual_seed(0)
+
+    def lora(out_features, in_features, rank, weight):  # a delta of 5% of the weight's norm
+        delta = torch.randn(out_features, rank, generator=generator) @ torch.randn(rank, in_features, generator=generator)
+        return delta * (0.05 * weight.norm() / delta.norm())
+
+    q = torch.randn(64, 48, generator=generator) * 0.02
+    head = torch.randn(96, 48, generator=generator) * 0.02
+    q_delta, head_delta = lora(64, 48, 3, q), lora(96, 48, 2, head)
+    for name, weights in (("merged", {"q": q, "head": head}), ("expert", {"q": q + q_delta, "head": head + head_delta})):
+        (tmp_path / name).mkdir()
+        save_file({"model.layers.0.self_attn.q_proj.weight": weights["q"].to(dtype).contiguous(),
+                   "lm_head.weight": weights["head"].to(dtype).contiguous()},
+                  str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+    targets = {0: {"self_attn.q_proj": (48, 64)}}
+    deltas = domain_deltas(str(tmp_path / "merged"), str(tmp_path / "expert"), targets, rank=8, head_rank=4)
+    assert deltas.empty_directions() == (8 - 3) + (4 - 2)
+    assert deltas.describe()["empty_directions"] == 7
+    stored = (q + q_delta).to(dtype).float() - q.to(dtype).float()
+    if dtype == torch.bfloat16:  # float32's rule alone: the rounding fills every direction
+        down, up = low_rank_factors(stored, 8)
+        assert bool(down.any(dim=1).all())
+    down, up = deltas.blocks[(0, "self_attn.q_proj")]
+    left, values, right = torch.linalg.svd(stored, full_matrices=False)  # the stored delta's best rank 3
+    torch.testing.assert_close(up @ down, left[:, :3] * values[:3] @ right[:3], atol=1e-6, rtol=1e-4)
+
+    class Blocks(torch.nn.Module):  # stands in for a DomainSurgery with one adapter and no head
+        head_down = None
+
+        def __init__(self):
+            super().__init__()
+            self.q = BlockAdapter(48, 64, 8)
+
+        def block_adapters(self):
+            return [(0, "self_attn.q_proj", self.q)]
+
+    torch.manual_seed(0)
+    module = Blocks()
+    fresh = module.q.down.weight.clone()
+    start_from_deltas(module, deltas)
+    torch.testing.assert_close(module.q.down.weight[3:], fresh[3:])  # the LoRA start past the delta's rank
+    assert not bool(module.q.up.weight[:, 3:].any()) and bool(module.q.up.weight[:, :3].any(dim=0).all())
+    torch.testing.assert_close(module.q.up.weight @ module.q.down.weight, up @ down)
 
 
 def test_mergekit_yaml_trains_every_adapter_of_q_v_experts(low_rank_family, tmp_path):
@@ -133,21 +193,32 @@ def _stamp(path):
     return f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
 
 
-def test_rerun_on_an_unchanged_merge_opens_no_expert_weight_file(tiny_family, tmp_path, monkeypatch):
+def test_rerun_on_an_unchanged_merge_reads_no_expert_tensor_only_headers(tiny_family, tmp_path, monkeypatch):
     """The first run reads the experts (capture and extract); the second, on the same merge and
-    cache, reads none of their weight files and reports the same baseline."""
+    cache, reads none of their tensors and reports the same baseline. It still reads each expert's
+    safetensors header, for the checks before the run (every file whole; with adapter_init: delta the
+    adapted linears' shapes): docs/quality.md says so (issue 53 ask 6)."""
+    from mergekit_darts import preflight_weights
     from mergekit_darts.pipeline import run_surgery
 
     out = tmp_path / "out"
     shutil.copytree(tiny_family["merged"], out)
     opened = _spy_weight_reads(monkeypatch, [tiny_family["math"], tiny_family["code"]])
+    headers = []
+    header = preflight_weights.safetensors_header
+    monkeypatch.setattr(preflight_weights, "safetensors_header",
+                        lambda path: headers.append(os.path.relpath(path, os.path.dirname(tiny_family["math"])))
+                        or header(path))
     config = depth_config(tiny_family, tmp_path / "cache", depth=1, steps=2,
                           extra="  adapter_init: delta\n  head_rank: 2\n")
     first = run_surgery(config, str(out), progress=False)
     assert any(path.startswith(tiny_family["math"]) for path in opened)  # the spy sees the reads
     opened.clear()
+    headers.clear()
     second = run_surgery(config, str(out), progress=False)
     assert opened == []
+    assert sorted(set(headers) & {"math/model.safetensors", "code/model.safetensors"}) == [
+        "code/model.safetensors", "math/model.safetensors"], headers
     for name in ("math", "code"):
         assert second["domains"][name]["baseline"]["held_out_kl"] == first["domains"][name]["baseline"]["held_out_kl"]
 

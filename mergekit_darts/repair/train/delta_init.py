@@ -34,16 +34,39 @@ LOWRANK_ITERATIONS = 6  # its power iterations (the singular values of weight de
 Factors = Tuple[torch.Tensor, torch.Tensor]  # (down [r, in], up [out, r]), float32, on the cpu
 Linear = Tuple[int, str]  # (layer index, path of the linear in its block)
 # a singular value at most this share of the largest times the matrix's larger side is numerically
-# zero (numpy.linalg.matrix_rank's rule): its direction is left empty for a LoRA start (see below)
+# zero in float32 (numpy.linalg.matrix_rank's rule), and one at most what the checkpoints' own rounding
+# gives (``rounding_floor``: their stored dtype's): its direction is left empty for a LoRA start (see below)
 EMPTY_TOLERANCE = torch.finfo(torch.float32).eps
 # what is cached (capture/cache.py) changes when the reading or the SVD does: bump to stop old entries
-EXTRACT_VERSION = 1
+EXTRACT_VERSION = 2  # 2: the empty-direction threshold follows the checkpoints' dtype
 
 
-def low_rank_factors(delta: torch.Tensor, rank: int, device: torch.device = torch.device("cpu")) -> Factors:
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """The largest relative rounding error of a value stored in ``dtype``: half its epsilon, 2^-8 for
+    bfloat16, 2^-11 for float16, 2^-24 for float32 (0 for a type that stores values exactly)."""
+    return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
+
+
+def rounding_floor(expert: torch.Tensor, merged: torch.Tensor) -> float:
+    """About the largest singular value that the rounding of the two tensors *as stored* alone gives their
+    difference: each entry is off by up to ``unit_roundoff(dtype)`` of its value, so the rounding error is
+    a matrix of entries about ``u·|W|``, whose largest singular value is about their RMS × (√out + √in)
+    (and at least its largest entry). A direction of expert − merge below it cannot be told from the
+    checkpoints' rounding: on bfloat16 checkpoints the directions past a low-rank delta's rank sit there,
+    orders of magnitude above float32's rule."""
+    out_features, in_features = expert.shape
+    bulk = sum((unit_roundoff(t.dtype) * float(torch.linalg.vector_norm(t, dtype=torch.float32))) ** 2
+               for t in (expert, merged)) ** 0.5 / (out_features * in_features) ** 0.5
+    peak = sum(unit_roundoff(t.dtype) * float(t.abs().max()) for t in (expert, merged) if t.numel())
+    return max(bulk * (out_features ** 0.5 + in_features ** 0.5), peak)
+
+
+def low_rank_factors(delta: torch.Tensor, rank: int, device: torch.device = torch.device("cpu"),
+                     floor: float = 0.0) -> Factors:
     """``(down, up)`` with ``up @ down`` the best rank-``rank`` approximation of ``delta``. Directions
-    the delta does not have (past the matrix's rank, or a numerically zero singular value) are exactly
-    zero rows of ``down`` and columns of ``up``: ``start_from_deltas`` starts them as a LoRA does."""
+    the delta does not have (past the matrix's rank, a numerically zero singular value, or one at most
+    ``floor``: the checkpoints' rounding, ``rounding_floor``) are exactly zero rows of ``down`` and
+    columns of ``up``: ``start_from_deltas`` starts them as a LoRA does."""
     matrix = delta.to(device, torch.float32)
     out_features, in_features = matrix.shape
     kept = min(rank, out_features, in_features)
@@ -56,6 +79,7 @@ def low_rank_factors(delta: torch.Tensor, rank: int, device: torch.device = torc
                                         niter=LOWRANK_ITERATIONS)
         vh = v.T
     tolerance = float(s.max()) * max(out_features, in_features) * EMPTY_TOLERANCE if s.numel() else 0.0
+    tolerance = max(tolerance, floor)
     kept = min(kept, int((s > tolerance).sum()))
     root = s[:kept].sqrt()
     down = torch.zeros(rank, in_features)
@@ -119,22 +143,26 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
     linears = [(index, path, shape) for index, paths in (targets or {}).items() for path, shape in paths.items()]
     for index, path, (in_features, out_features, *_) in tqdm(linears, desc=desc, disable=not progress, leave=False):
         suffix = f"layers.{index}.{path}.weight"
-        delta = expert.read(suffix).float() - merged.read(suffix).float()
-        if tuple(delta.shape) != (out_features, in_features):
-            raise FormatError(f"{expert_dir}: {suffix} has shape {tuple(delta.shape)}, the merge's linear "
+        expert_weight, merged_weight = expert.read(suffix), merged.read(suffix)
+        if tuple(expert_weight.shape) != (out_features, in_features):
+            raise FormatError(f"{expert_dir}: {suffix} has shape {tuple(expert_weight.shape)}, the merge's linear "
                               f"({out_features}, {in_features})")
+        floor = rounding_floor(expert_weight, merged_weight)  # from the dtypes the two are stored in
+        delta = expert_weight.float() - merged_weight.float()
+        del expert_weight, merged_weight
         if min(delta.shape) > EXACT_SVD_MAX and device.type != "cuda":
             deltas.svd = "randomized"
-        deltas.blocks[(index, path)] = low_rank_factors(delta, rank, device)
+        deltas.blocks[(index, path)] = low_rank_factors(delta, rank, device, floor)
         bias = f"layers.{index}.{path}.bias"
         if merged.names_ending(bias):
             deltas.biases[(index, path)] = expert.read(bias).float() - merged.read(bias).float()
     if head_rank > 0:
-        expert_head, merged_head = head_weight(expert).float(), head_weight(merged).float()
+        expert_head, merged_head = head_weight(expert), head_weight(merged)
         if expert_head.shape != merged_head.shape:
             raise FormatError(f"{expert_dir}: its LM head is {tuple(expert_head.shape)}, the merge's "
                               f"{tuple(merged_head.shape)}")
-        deltas.head = low_rank_factors(expert_head - merged_head, head_rank, device)
+        floor = rounding_floor(expert_head, merged_head)
+        deltas.head = low_rank_factors(expert_head.float() - merged_head.float(), head_rank, device, floor)
     return deltas
 
 
@@ -156,7 +184,8 @@ def cached_domain_deltas(cache_dir: Optional[str], merged_dir: str, expert_dir: 
                          head_rank: int, device: torch.device = torch.device("cpu"), progress: bool = False,
                          desc: str = "weight deltas") -> DomainDeltas:
     """``domain_deltas`` through the capture cache (capture/cache.py), keyed by both models' contents
-    (their file hashes are memoized, so a re-run on an unchanged merge opens no expert weight file),
+    (their file hashes are memoized, so a re-run on an unchanged merge reads no expert tensor; the checks
+    before the run still read each expert's safetensors headers, preflight_weights.py),
     the adapted linears, the ranks and where the SVD runs (exact on a GPU, maybe randomized on a CPU)."""
     from mergekit_darts.repair.capture.cache import CaptureCache, cache_key, model_identity
 
