@@ -253,3 +253,22 @@ def test_with_a_validation_split_the_choice_is_made_there(merged_copy, tiny_fami
     assert record["compared_on"] == "validation" and record["records"] == entry["calibration"]["validation"] == 2
     assert record["trained"] == selection["validation_loss"] and record["trained"] <= record["untrained"]
     assert record["kept"] == ("start" if selection["steps"] == 0 else "trained")
+    # refit (the default): what ships when trained is the refit run, which was not itself compared (issue 53 ask 6)
+    assert record["refit"] is True and selection["refit_records"] == 4
+
+
+def test_the_report_says_a_shipped_refit_was_not_compared_with_the_start():
+    """With a refit the trained side of the comparison is the selected run before its refit; when the
+    trained correction ships, it is the refit one: the text says so and gives both held-out KLs."""
+    from mergekit_darts.repair.report.table import no_regret_text
+
+    record = {"kept": "trained", "start": "data-free extract", "compared_on": "validation", "records": 8,
+              "metric": "kl loss", "trained": 0.2, "untrained": 0.4, "margin": 0.2, "other_held_out_kl": 0.45}
+    entry = {"held_out_kl": {"before": 0.9, "after": 0.3}, "no_regret": {**record, "refit": True}}
+    assert no_regret_text(entry) == (
+        "kept the trained correction: kl loss 0.2 trained against 0.4 untrained (50.0% lower) on the validation "
+        "split (8 records); the trained side is the selected run before its refit: the shipped correction is "
+        "that run refit on the training and validation records, which was not compared with the start "
+        "(held-out KL to the expert: 0.3 shipped, 0.45 the start)")
+    assert "refit" not in no_regret_text({**entry, "no_regret": record})  # no refit: what was compared ships
+    assert "refit" not in no_regret_text({**entry, "no_regret": {**record, "refit": True, "kept": "start"}})

@@ -143,8 +143,15 @@ def no_regret_text(entry: Dict[str, Any]) -> Optional[str]:
              else "equal" if not margin else "")
     kept = ("kept the trained correction" if record["kept"] == "trained"
             else f"kept the untrained start ({record['start']}): training did not beat it")
+    refit = ""
+    if record.get("refit") and record["kept"] == "trained":  # what ships is not what was compared
+        shipped, other = (entry.get("held_out_kl") or {}).get("after"), record.get("other_held_out_kl")
+        measured = (f" (held-out KL to the expert: {shipped:.4g} shipped, {other:.4g} the start)"
+                    if isinstance(shipped, (int, float)) and isinstance(other, (int, float)) else "")
+        refit = ("; the trained side is the selected run before its refit: the shipped correction is that run "
+                 "refit on the training and validation records, which was not compared with the start" + measured)
     return (f"{kept}: {record['metric']} {trained:.4g} trained against {untrained:.4g} untrained"
-            f"{f' ({share})' if share else ''} on {where}")
+            f"{f' ({share})' if share else ''} on {where}{refit}")
 
 
 def no_regret_line(entry: Dict[str, Any]) -> List[str]:

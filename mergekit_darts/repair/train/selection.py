@@ -146,7 +146,9 @@ def keep_better(trained, start, records: Dict[str, torch.Tensor], *, compared_on
     ``start`` (``start_kind``: "data-free extract" or "identity"), whichever has the lower training loss
     on ``records``. On the validation split (``compared_on`` "validation") the trained side is the
     selected run's own validation loss (``selection``), measured before any refit trained on those
-    records; elsewhere both are measured here. A tie keeps the start: training bought nothing."""
+    records; elsewhere both are measured here. A tie keeps the start: training bought nothing. With a
+    refit the trained correction that ships is the refit one, which trained on the validation records
+    and so is never compared itself: the record says so (``refit``; docs/quality.md, "No regret")."""
     start_value = validation_loss(start, records, loss, expert_head, merged_head, chunk_size)
     if compared_on == "validation" and "validation_loss" in selection:
         trained_value = float(selection["validation_loss"])
@@ -156,6 +158,8 @@ def keep_better(trained, start, records: Dict[str, torch.Tensor], *, compared_on
     record = {"kept": kept, "start": start_kind, "compared_on": compared_on, "records": int(records["merged"].shape[0]),
               "metric": f"{loss} loss", "trained": trained_value, "untrained": start_value,
               "margin": start_value - trained_value}
+    if compared_on == "validation" and "refit_records" in selection:
+        record["refit"] = True  # "trained" is the selected run before its refit; the refit one was not compared
     LOG.info("no regret: kept the %s (%s loss on %s: trained %.5g, untrained %.5g)",
              "trained correction" if kept == "trained" else f"untrained start ({start_kind})", loss, compared_on,
              trained_value, start_value)
