@@ -58,7 +58,7 @@ def check_merge_config(merge_part: dict, options, merge_config=None):
     return merge_config
 
 
-def _load_config(path: str, where: str, trust_remote_code: bool):
+def load_model_config(path: str, where: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
     check_local_model(path, where)  # "no such directory", not transformers' Hub-id error
@@ -121,7 +121,7 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
                     surgery.max_positions, reference.max_position_embeddings)
     for name, domain in surgery.domains.items():
         where = f"surgery.domains.{name}.model"
-        expert = _load_config(domain.model, where, trust_remote_code)
+        expert = load_model_config(domain.model, where, trust_remote_code)
         if expert.hidden_size != reference.hidden_size:
             raise SurgeryConfigError(
                 f"{where}: expert {domain.model!r} has hidden size {expert.hidden_size} but the merged model "
@@ -142,7 +142,7 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
         writer = domain.calibration.synthesize_writer
         if writer is not None:  # it writes prompts read with the merged tokenizer: the same vocabulary
             where = f"surgery.domains.{name}.calibration.synthesize_writer"
-            config = _load_config(writer, where, trust_remote_code)
+            config = load_model_config(writer, where, trust_remote_code)
             if check_vocab and config.vocab_size != reference.vocab_size:
                 raise SurgeryConfigError(
                     f"{where}: {writer!r} has vocabulary size {config.vocab_size} but the merged model has "
@@ -333,7 +333,7 @@ def check_before_merge(surgery: SurgeryConfig, merge_config, settings: RunSettin
         if not models:
             raise SurgeryConfigError("config: the merge references no models")
         base = models[0]
-    reference = _load_config(str(base.model.path), "base_model", trust_remote_code)
+    reference = load_model_config(str(base.model.path), "base_model", trust_remote_code)
     tokenizer = _merged_tokenizer(merge_config, options, str(base.model.path), trust_remote_code)
     # a tokenizer: / tokenizer_source: block can change the merged vocabulary: capture checks it then
     vocab_changes = tokenizer is None
@@ -353,7 +353,7 @@ def check_surgery(surgery: SurgeryConfig, merged_config_path: str, settings: Run
                                             if not field.endswith("cache_dir")],
                        where="merged model directory", replaced_whole=False)
     texts = _check_calibration(surgery, settings.seed)
-    reference = _load_config(merged_config_path, "merged model", trust_remote_code)
+    reference = load_model_config(merged_config_path, "merged model", trust_remote_code)
     _check_experts(surgery, reference, merged_config_path, trust_remote_code)
     layers = _layers(reference)
     check_weight_files(surgery, [(merged_config_path, i) for i in range(layers)] if layers else None,

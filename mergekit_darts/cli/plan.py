@@ -20,9 +20,9 @@ def _gb(value: float) -> str:
 
 
 def _model_config(path: str, where: str):
-    from mergekit_darts.preflight import _load_config
+    from mergekit_darts.preflight import load_model_config
 
-    return _load_config(path, where, trust_remote_code=False)
+    return load_model_config(path, where, trust_remote_code=False)  # config.json only: no weight is read
 
 
 def _merged_model(merge_part: dict) -> str:
