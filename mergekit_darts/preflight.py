@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 from mergekit_darts.config import SurgeryConfig, SurgeryConfigError, format_validation_error
 from mergekit_darts.errors import DeviceError, FormatError, MergeConfigError, first_line
 from mergekit_darts.model_paths import check_local_model, check_merge_model_paths
-from mergekit_darts.presets import fit_preset
+from mergekit_darts.presets import continuation_warning, fit_preset
 from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
                                                surgery_inputs)
 from mergekit_darts.preflight_counts import (check_continuation_room, check_selection_prompts, check_synthesis_cost,
@@ -246,10 +246,10 @@ def check_texts_usable(texts: Dict[str, List[str]], tokenizer,
     return usable_counts
 
 
-def check_chat_templates(surgery: SurgeryConfig, texts: Dict[str, List[str]], tokenizer,
-                         template_from_merge: bool = False) -> Dict[str, List[str]]:
+def check_chat_templates(surgery: SurgeryConfig, texts: Dict[str, List[str]], tokenizer) -> Dict[str, List[str]]:
     """``chat_template: true`` needs a tokenizer with a chat template: rendered now with the merged
-    model's tokenizer (the base model's, which mergekit copies), so a missing or failing template
+    model's tokenizer (the base model's, which mergekit copies, with the template of mergekit's own
+    ``chat_template:`` key when the config has one: ``merged_chat_template``), so a missing or failing template
     stops the run before the merge. Returns the texts as capture will tokenize them."""
     from mergekit_darts.repair.capture.calibration import apply_chat_template
 
@@ -259,7 +259,7 @@ def check_chat_templates(surgery: SurgeryConfig, texts: Dict[str, List[str]], to
     if surgery.router_eval is not None:
         sources.append(("surgery.router_eval", surgery.router_eval, None))
     for where, calibration, name in sources:
-        if not calibration.chat_template or tokenizer is None or template_from_merge:
+        if not calibration.chat_template or tokenizer is None:
             continue
         sample = texts[name] if name is not None else ["a prompt"]
         try:
@@ -304,10 +304,38 @@ def _merged_tokenizer(merge_config, options, base_path: str, trust_remote_code: 
     return tokenizer
 
 
-def _check_texts(surgery: SurgeryConfig, texts, tokenizer, template_from_merge: bool = False):
+def merged_chat_template(surgery: SurgeryConfig, merge_config, tokenizer, trust_remote_code: bool):
+    """``tokenizer`` (the base model's, which mergekit copies) with the chat template that mergekit's own
+    ``chat_template:`` key gives the merge (a named one, a Jinja string, or ``auto``: the most common one
+    among the merge's models), set the way mergekit sets it, so that ``chat_template: true`` in a
+    calibration is checked against the template the merge will have."""
+    key = getattr(merge_config, "chat_template", None)
+    if not key or tokenizer is None:
+        return tokenizer
+    from mergekit.merge import _set_chat_template  # the function mergekit calls on the merge's tokenizer
+
+    before = tokenizer.chat_template
+    try:
+        _set_chat_template(tokenizer, merge_config, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - mergekit's RuntimeError("Invalid chat template: ...")
+        raise MergeConfigError(f"config.chat_template: mergekit refuses {key!r} ({first_line(error)}); name one of "
+                               "its templates (chatml, llama3, mistral, alpaca, exaone), auto or a Jinja string") from None
+    users = [name for name, domain in surgery.domains.items() if domain.calibration.chat_template]
+    if key == "auto" and users and not tokenizer.chat_template and not before:
+        raise SurgeryConfigError(
+            f"surgery.domains.{users[0]}.calibration.chat_template: the merge's chat_template: auto finds no chat "
+            "template in any of its models' tokenizers; name one in config.chat_template (e.g. chatml or llama3) or "
+            "set chat_template: false")
+    return tokenizer
+
+
+def _check_texts(surgery: SurgeryConfig, texts, tokenizer):
     """Truncation, chat templates, usable tokens and split sizes; returns the (cut) texts for capture."""
+    warning = continuation_warning(surgery)
+    if warning:
+        LOG.warning(warning)
     texts = truncate_texts(surgery, texts, tokenizer)
-    rendered = check_chat_templates(surgery, texts, tokenizer, template_from_merge)
+    rendered = check_chat_templates(surgery, texts, tokenizer)
     plain = {name: not domain.calibration.chat_template for name, domain in surgery.domains.items()}
     usable = check_texts_usable(rendered, tokenizer, plain)
     check_synthesis_cost(surgery, usable)
@@ -341,7 +369,8 @@ def check_before_merge(surgery: SurgeryConfig, merge_config, settings: RunSettin
     check_weight_files(surgery, merged_layer_sources(merge_config, str(base.model.path), _layers(reference)))
     if not vocab_changes:
         check_tokenizers(surgery, str(base.model.path), trust_remote_code, reference=tokenizer)
-    return _check_texts(surgery, texts, tokenizer, template_from_merge=bool(merge_config.chat_template))
+    tokenizer = merged_chat_template(surgery, merge_config, tokenizer, trust_remote_code)
+    return _check_texts(surgery, texts, tokenizer)
 
 
 def check_surgery(surgery: SurgeryConfig, merged_config_path: str, settings: RunSettings) -> Dict[str, List[str]]:

@@ -62,8 +62,10 @@ def apply_chat_template(texts: Sequence[str], tokenizer, where: str = "calibrati
     """
     if not getattr(tokenizer, "chat_template", None):
         raise SurgeryConfigError(
-            f"{where}: the merged model's tokenizer has no chat template; set 'chat_template: false' "
-            "or use a 'template:' string instead"
+            f"{where}: the merged model's tokenizer has no chat template (mergekit copies the base model's); give "
+            "the merge one with mergekit's own chat_template: key (auto: the most common template of the merge's "
+            "models, or a named one such as llama3 or chatml), or set 'chat_template: false' and use a 'template:' "
+            "string instead"
         )
     return [
         tokenizer.apply_chat_template(
