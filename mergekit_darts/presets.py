@@ -91,6 +91,21 @@ def fit_preset(surgery, hidden_size: Optional[int] = None, validation_prompts: O
     return fitted, changes
 
 
+def continuation_warning(surgery) -> Optional[str]:
+    """A line for ``preset: best`` domains without ``continue_tokens``: every figure of the preset was
+    measured with each prompt followed by its expert's own greedy answer, whose length is the domain's (the
+    demo's 48 / 16 / 16 tokens), so the preset cannot set it; it says what the run does without it."""
+    if surgery.preset != "best":
+        return None
+    bare = [name for name, domain in surgery.domains.items() if domain.calibration.continue_tokens == 0]
+    if not bare:
+        return None
+    return (f"preset: best: {', '.join(f'surgery.domains.{name}.calibration' for name in bare)} set(s) no "
+            "continue_tokens; the preset's figures were measured with each prompt followed by its expert's own "
+            "answer (continue_tokens: about an answer's length, docs/hub-models.md): without it the training sees the "
+            "prompts only and the report has no behaviour figures")
+
+
 def preset_settings(surgery) -> Optional[Dict[str, Any]]:
     """The settings a preset controls, as this run resolved them (explicit keys included), and under
     ``fitted`` what the run changed from the preset's values to fit the model and data (``fit_preset``)."""

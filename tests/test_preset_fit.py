@@ -97,3 +97,21 @@ def test_a_rank_written_beside_the_preset_is_still_refused_before_the_merge(tmp_
     assert result.returncode != 0
     assert "surgery.rank: 64 exceeds the merged model's hidden size 32" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_preset_domain_without_continue_tokens_is_warned_about():
+    """Issue 54 ask 2: every figure of preset: best was measured with continue_tokens, whose length is the
+    domain's, so the preset cannot set it; a domain without it gets one line before the merge saying what
+    the run does without it."""
+    from mergekit_darts.config import parse_surgery_block
+    from mergekit_darts.presets import continuation_warning
+
+    domains = {"math": {"model": "m", "calibration": {"texts": ["a"], "continue_tokens": 48}},
+               "code": {"model": "c", "calibration": {"texts": ["b"]}}}
+    warning = continuation_warning(parse_surgery_block({"preset": "best", "domains": domains}))
+    assert warning.startswith("preset: best: surgery.domains.code.calibration set(s) no continue_tokens")
+    assert "math" not in warning and "no behaviour figures" in warning
+    domains["code"]["calibration"]["continue_tokens"] = 16
+    assert continuation_warning(parse_surgery_block({"preset": "best", "domains": domains})) is None
+    del domains["code"]["calibration"]["continue_tokens"]
+    assert continuation_warning(parse_surgery_block({"domains": domains})) is None  # the paper's defaults: no claim
