@@ -22,8 +22,8 @@ COMMANDS = {
     "compare": ("mergekit_darts.cli.evaluate:compare_command", "Surgery variants over several seeds, with tests."),
     "demo": ("mergekit_darts.cli.demo:demo_command", "The built-in demo on a tiny model family (CPU)."),
     "example": ("mergekit_darts.cli.demo:example_command", "Write the offline example: a tiny family and its YAML."),
-    "bake": ("mergekit_darts.cli.serve:bake_command", "Fold one domain into the LM head: a plain model directory."),
-    "export-peft": ("mergekit_darts.cli.serve:export_peft_command", "One PEFT LoRA adapter (lm_head) per domain."),
+    "bake": ("mergekit_darts.cli.serve:bake_command", "Fold one domain into the weights: a plain model directory."),
+    "export-peft": ("mergekit_darts.cli.serve:export_peft_command", "One PEFT LoRA adapter per domain on the plain merge."),
     "sweep": ("mergekit_darts.cli.sweep:sweep_command", "A grid of merges x surgery variants x seeds on Ray."),
     "push": ("mergekit_darts.cli.hub:push_command", "Check an output directory, then upload it to the Hub."),
 }

@@ -88,7 +88,7 @@ def info_command(out_path: str, as_json: bool):
 
     check_output_dir(out_path)  # a missing shard or a newer format: one line, before anything loads
     info = read_darts_info(out_path)
-    # what these settings would add per domain to a 7B-shaped model (the paper's budget: 0.1 %)
+    # what these settings would add per domain to a 7B-shaped model (the budget: 0.1 % per domain)
     info["share_7b"] = share_of_7b(info)
     if as_json:
         click.echo(json.dumps(info, indent=2))

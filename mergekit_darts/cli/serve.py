@@ -66,8 +66,9 @@ def bake_command(out_path: str, dest: str, domain: str, drop_position_bias: bool
               help="Copy the merged weights into DEST/base-model instead of hard-linking them to OUT_PATH's.")
 def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: bool, drop_final_state: bool,
                         copy_base: bool):
-    """Write DEST/<domain>/: one PEFT LoRA adapter on lm_head per domain, and DEST/base-model/: the
-    plain merge they sit on (plain config, own lm_head when tied; weights hard-linked from OUT_PATH).
+    """Write DEST/<domain>/: one PEFT LoRA adapter per domain (on lm_head for a linear final-state or head
+    correction, on the block linears for block adapters), and DEST/base-model/: the plain merge they sit
+    on (plain config, own lm_head when tied; weights hard-linked from OUT_PATH).
 
     \b
     OUT_PATH  a repaired directory (left unchanged) trained with `content: linear`, or any one with

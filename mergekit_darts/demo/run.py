@@ -22,7 +22,7 @@ from mergekit_darts.demo.evaluate import score_model
 from mergekit_darts.demo.family import FAMILY_VERSION, THREADS, FamilySpec, build_family
 from mergekit_darts.demo.table import README_PRESET, markdown_table
 
-MAIN = ("darts_ewl1", "DARTS + EWL1", {"method": "darts", "loss": "ewl1"})  # the README's example config
+MAIN = ("darts_ewl1", "DARTS + EWL1", {"method": "darts", "loss": "ewl1"})  # the paper's defaults
 # The paper's ablations and quality options that docs/results.md#the-demo holds, measured on this family
 # (seed 0): shown again only with `mergekit-darts demo --all-rows`, so that the default run has the time
 # to train what the README recommends (PRESET_ROWS).
@@ -109,7 +109,7 @@ def make_data(workdir: str, seed: int, sizes: DemoSizes):
 
 def merge_yaml(workdir: str, paths: Dict[str, str], seed: int, sizes: DemoSizes, preset: Optional[str] = None,
                synthesize: int = 0) -> str:
-    """The demo's mergekit YAML: the README's example surgery (DARTS + EWL1, rank 16), or with ``preset``
+    """The demo's mergekit YAML: the paper's surgery (DARTS + EWL1, rank 16), or with ``preset``
     the preset's settings instead of those keys, and ``synthesize`` prompts per domain written by the
     base model (``synthesize_writer``)."""
     lines = ["merge_method: task_arithmetic", f"base_model: {paths['base']}", "models:"]

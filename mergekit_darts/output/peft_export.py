@@ -1,4 +1,5 @@
-"""One PEFT LoRA adapter per domain on the plain merge's ``lm_head`` (``mergekit-darts export-peft``).
+"""One PEFT LoRA adapter per domain on the plain merge (``mergekit-darts export-peft``): on its ``lm_head``
+for a linear final-state or head correction, on the block linears for block adapters (``depth``).
 
 A foldable domain's head is ``W' = (W + H_u·H_d)·(I − U·D)`` (see ``bake``), so
 
