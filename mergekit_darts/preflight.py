@@ -312,8 +312,10 @@ def merged_chat_template(surgery: SurgeryConfig, merge_config, tokenizer, trust_
     key = getattr(merge_config, "chat_template", None)
     if not key or tokenizer is None:
         return tokenizer
-    from mergekit.merge import _set_chat_template  # the function mergekit calls on the merge's tokenizer
-
+    try:
+        from mergekit.merge import _set_chat_template  # the function mergekit calls on the merge's tokenizer
+    except ImportError:  # another mergekit: the template is checked after the merge, when capture renders it
+        return None
     before = tokenizer.chat_template
     try:
         _set_chat_template(tokenizer, merge_config, trust_remote_code=trust_remote_code)
