@@ -3,8 +3,11 @@ a 135M model can learn from a few thousand chats and a script can score to the l
 
 - units: "convert 3 hours to minutes . answer :" -> "3 * 60 = 180 minutes"; the other way,
   "convert 180 minutes to hours . answer :" -> "180 / 60 = 3 hours" (every result a whole number);
-- dates: "what date is 10 days after march 25 ? answer :" -> "march 25 + 10 days = april 4" (a year
-  without 29 february), or "what day is 3 days after monday ? answer :" -> "monday + 3 days = thursday".
+- dates: "what date is 8 days after march 25 ? answer :" -> "march 25 + 8 days = april 2" (a year
+  without 29 february), or "what day is 3 days after monday ? answer :" -> "monday + 3 days = thursday";
+  1 to 9 days (with up to 40 the LoRA expert learned 16 %, a rank-16 LoRA on every linear at lr 2e-3
+  7 % after 150 steps; with 1 to 9 it learned 53 % in those 150 steps, 60 test prompts: the task must
+  be learnt for its domain to say anything).
 
 A completion counts when it equals the reference after whitespace is normalised (the worked step
 included, as the demo's instruct scorer does). ``make_splits`` gives disjoint test / calib / train
@@ -44,8 +47,11 @@ def _units_example(rng: random.Random) -> dict:
     return {"prompt": prompt, "completion": completion}
 
 
+DATES_MAX_OFFSET = 9
+
+
 def _dates_example(rng: random.Random) -> dict:
-    offset = rng.randint(1, 40)
+    offset = rng.randint(1, DATES_MAX_OFFSET)
     direction = rng.choice(["after", "before"])
     sign = 1 if direction == "after" else -1
     if rng.random() < 0.3:

@@ -22,7 +22,7 @@ from mergekit_darts.tiny import DEFAULT_WORDS, build_tokenizer, make_random_mode
 
 DOMAINS = family_v2_tasks.DOMAINS
 TRAIN = 16  # two steps of 8 chats
-ATTENTION = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+LINEARS = tuple(f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 
 
 def weights(path):
@@ -71,6 +71,7 @@ def test_units_and_dates_references_are_right():
     for example in family_v2_tasks.make_splits("dates", 1, train=10, calib=10, test=200)["test"]:
         words = example["prompt"].split()  # what date|day is N days after|before START ? answer :
         offset, sign = int(words[3]), 1 if words[5] == "after" else -1
+        assert 1 <= offset <= family_v2_tasks.DATES_MAX_OFFSET
         result = example["completion"].split(" = ")[1]
         if words[1] == "day":
             start = family_v2_tasks.WEEKDAYS.index(words[6])
@@ -91,7 +92,7 @@ def test_splits_keep_test_and_calibration_fixed():
         assert len(large["train"]) == 3000  # units has fewer distinct prompts: its train set repeats
 
 
-def test_lora_expert_is_a_plain_model_that_moves_only_attention(work):
+def test_lora_expert_is_a_plain_model_that_moves_only_its_linears(work):
     files = os.listdir(os.path.join(work, "expert_dates"))
     assert "config.json" in files and "adapter_config.json" not in files  # merge_and_unload: no PEFT left
     with open(os.path.join(work, "family.json")) as handle:
@@ -100,8 +101,8 @@ def test_lora_expert_is_a_plain_model_that_moves_only_attention(work):
     base, lora, full = weights(os.path.join(work, "base")), weights(os.path.join(work, "expert_dates")), \
         weights(os.path.join(work, "expert_units"))
     moved = {name for name in base if not torch.equal(base[name], lora[name])}
-    targets = {name for name in base if name.endswith(ATTENTION)}
-    assert moved == targets  # every q/k/v/o of every layer, nothing else
+    targets = {name for name in base if name.endswith(LINEARS)}
+    assert moved == targets  # every block linear of every layer, nothing else (no norm, no embedding)
     assert {name for name in base if not torch.equal(base[name], full[name])} > targets  # whole-model experts
 
 
