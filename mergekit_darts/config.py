@@ -9,7 +9,7 @@ from typing import Annotated, Any, Dict, FrozenSet, List, Literal, Optional, Uni
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from mergekit_darts.errors import SurgeryConfigError  # noqa: F401  (re-exported: the schema's error)
+from mergekit_darts.errors import SurgeryConfigError, format_validation_error  # noqa: F401  (re-exported)
 from mergekit_darts.presets import PRESETS, expand_preset, filled_keys, preset_settings  # noqa: F401  (re-exported)
 from mergekit_darts.yaml_source import split_yaml  # noqa: F401  (re-exported: where configs are read)
 
@@ -212,6 +212,7 @@ class SurgeryConfig(_Strict):
     depth_rank: StrictInt = Field(8, gt=0, le=MAX_RANK)
     # block adapters / head correction start at zero, or at the SVD of expert - merge (train/delta_init.py)
     adapter_init: AdapterInit = "zero"
+    train_blocks: Union[Annotated[int, Field(strict=True, ge=0, le=MAX_DEPTH)], Literal["all"], None] = None  # the last k adapted blocks train, the rest keep the extract
     # the keys the preset filled in, and what presets.fit_preset changed of them to fit the model and data
     _preset_filled: FrozenSet[str] = PrivateAttr(default=frozenset())
     _preset_fitted: Dict[str, Dict[str, Any]] = PrivateAttr(default_factory=dict)
@@ -267,6 +268,10 @@ class SurgeryConfig(_Strict):
             ("adapter_init", self.adapter_init == "delta" and self.depth == 0 and self.head_rank == 0, "depth/head_rank",
              "adapter_init: delta starts the block adapters (depth > 0) and the head correction (head_rank > 0) "
              "from the expert's weight deltas, and this run has neither; set depth (e.g. depth: all)"),
+            ("train_blocks", self.depth == 0 or self.adapter_init != "delta", "depth/adapter_init", "train_blocks trains the "
+             "last k adapted blocks from the data-free extract and keeps the extract below; it needs depth > 0 and adapter_init: delta"),
+            ("train_blocks", isinstance(self.depth, int) and isinstance(self.train_blocks, int) and self.train_blocks > self.depth,
+             "depth", f"train_blocks ({self.train_blocks}) exceeds the {self.depth} adapted block(s); use at most {self.depth}"),
             *[(key, not self.router_enabled, "router",
                f"{key} is used only with the router (router: true; it is off by default with one domain)")
               for key in ("router_threshold", "router_fallback_rate", "router_kind", "router_eval", "router_states")],
@@ -371,23 +376,6 @@ class SurgeryConfig(_Strict):
     def active_domain(self) -> str:
         """The domain active when the output directory is loaded."""
         return self.default_domain if self.default_domain is not None else next(iter(self.domains))
-
-
-def format_validation_error(error: ValidationError, prefix: str) -> str:
-    lines = []
-    for item in error.errors():
-        loc = ".".join(str(part) for part in (prefix, *item["loc"]) if part != "")
-        msg = item["msg"]
-        if item["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; docs/options.md lists the supported keys)"
-        elif msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-        elif item["type"] in ("int_type", "float_type", "int_from_float") and "input" in item:
-            msg = f"{msg} (got {item['input']!r}; write a plain number)"
-        elif item["type"] in ("less_than_equal", "less_than", "greater_than", "greater_than_equal") and "input" in item:
-            msg = f"{msg} (got {item['input']!r})"
-        lines.append(f"{loc}: {msg}")
-    return "; ".join(lines)
 
 
 def parse_surgery_block(raw: Any, prefix: str = "surgery") -> SurgeryConfig:

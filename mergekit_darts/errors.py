@@ -103,3 +103,21 @@ def to_click_error(error: Exception):
 
 class SweepConfigError(DartsError, ValueError):
     """A sweep YAML (its ``sweep:`` block, or a cell it expands to) is invalid."""
+
+
+def format_validation_error(error, prefix: str) -> str:
+    """A pydantic ``ValidationError`` as one line per problem, each naming its path under ``prefix``."""
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(part) for part in (prefix, *item["loc"]) if part != "")
+        msg = item["msg"]
+        if item["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; docs/options.md lists the supported keys)"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        elif item["type"] in ("int_type", "float_type", "int_from_float") and "input" in item:
+            msg = f"{msg} (got {item['input']!r}; write a plain number)"
+        elif item["type"] in ("less_than_equal", "less_than", "greater_than", "greater_than_equal") and "input" in item:
+            msg = f"{msg} (got {item['input']!r})"
+        lines.append(f"{loc}: {msg}")
+    return "; ".join(lines)

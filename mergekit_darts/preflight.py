@@ -17,7 +17,7 @@ from mergekit_darts.presets import continuation_warning, fit_preset
 from mergekit_darts.output.destination import (check_not_an_input, check_output_writable, merge_inputs,
                                                surgery_inputs)
 from mergekit_darts.preflight_counts import (check_continuation_room, check_selection_prompts, check_synthesis_cost,
-                                             resolved_max_positions)
+                                             check_train_blocks, resolved_max_positions)
 from mergekit_darts.preflight_weights import check_weight_files, merged_layer_sources
 from mergekit_darts.settings import RunSettings
 
@@ -113,6 +113,7 @@ def _check_experts(surgery: SurgeryConfig, reference, reference_name: str, trust
         raise SurgeryConfigError(
             f"surgery.depth: {surgery.depth} exceeds the merged model's {layers} decoder layers ({reference_name}); "
             f"use at most depth: {layers}")
+    check_train_blocks(surgery, layers, reference_name)
     check_continuation_room(surgery, *resolved_max_positions(surgery, reference))
     # only a written value: the default is the model's context when that is shorter (pipeline.resolve_from_model)
     if "max_positions" in surgery.model_fields_set and \

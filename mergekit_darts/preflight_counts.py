@@ -1,6 +1,6 @@
 """Pre-merge checks on how many calibration prompts and positions each domain has (run by ``preflight``):
 enough validation prompts for lr choice and early stopping, ``synthesize`` bounded by what it would cost,
-and room for a prompt beside ``continue_tokens`` under max_positions."""
+room for a prompt beside ``continue_tokens`` under max_positions, and ``train_blocks`` within the adapted blocks."""
 
 from typing import Dict, Tuple
 
@@ -79,3 +79,12 @@ def check_continuation_room(surgery: SurgeryConfig, max_positions: int, source: 
                 f"surgery.domains.{name}.calibration.continue_tokens: {tokens} leaves no room for a prompt under "
                 f"max_positions {max_positions}{source} (prompt and continuation share those positions: at most "
                 f"{max_positions - 1} continue a one-token prompt); lower continue_tokens or raise max_positions")
+
+
+def check_train_blocks(surgery: SurgeryConfig, layers, reference_name: str) -> None:
+    """``train_blocks`` at most the adapted blocks: with ``depth: all`` the model's layers (a written
+    ``depth`` is compared by the schema itself)."""
+    k = surgery.train_blocks
+    if surgery.depth == "all" and isinstance(layers, int) and isinstance(k, int) and k > layers:
+        raise SurgeryConfigError(f"surgery.train_blocks: {k} exceeds the {layers} adapted decoder blocks "
+                                 f"(depth: all, {reference_name}); use at most {layers} (or all)")
