@@ -176,7 +176,7 @@ def _interrupted_surgery(out_path: str, kept: Optional[str]) -> str:
 
 def summary_lines(report: dict) -> List[str]:
     """Per domain: held-out bias and KL to the expert, before -> after, and what decided the verdict."""
-    from mergekit_darts.repair.report.table import baseline_line, no_regret_line
+    from mergekit_darts.repair.report.table import baseline_line, blocks_line, no_regret_line
     from mergekit_darts.repair.report.verdict import STATUS_WORDS, verdict_note
 
     lines = []
@@ -190,7 +190,7 @@ def summary_lines(report: dict) -> List[str]:
         lines.append(f"{name}: " + ", ".join(part for part in parts if part) + warning)
         if verdict:
             lines.append(f"  verdict {status.replace('_', '-')}: {verdict_note(verdict)}")
-        lines += no_regret_line(entry) + baseline_line(entry)
+        lines += blocks_line(entry) + no_regret_line(entry) + baseline_line(entry)
     default = report.get("default_domain")
     if isinstance(default, dict) and default.get("used") != default.get("requested"):
         lines.append(f"default domain: {default['used']} (requested {default['requested']}: {default.get('reason')})")

@@ -77,6 +77,7 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
             verdict += f" ({verdict_note(info['verdict'])})"
         lines.append(f"| `{name}` | {expert} | {sizes} | {_fmt(info.get('final_loss'))} | {measured} | {change} "
                      f"| {kl_change} | {_behaviour_cell(info.get('behaviour'))} | {verdict} |")
+    lines += _blocks_lines(by_domain)
     lines += _baseline_lines(report or {})
     lines += _router_lines(darts_meta.get("router"), (report or {}).get("router"))
     example = next(iter(domains))
@@ -101,6 +102,15 @@ def card_section(arch: str, darts_meta: dict, default_domain: str, report: Optio
         "",
     ]
     return "\n".join(lines)
+
+
+def _blocks_lines(by_domain: dict) -> list:
+    """With ``train_blocks``: per domain, which adapted blocks trained and which keep the extract."""
+    from mergekit_darts.repair.report.table import blocks_text
+
+    lines = [f"- `{name}`: {text}" for name, info in by_domain.items() if (text := blocks_text(info)) is not None]
+    return ["", "Which blocks trained (`train_blocks`) and which ship the data-free extract untrained:", "", *lines] \
+        if lines else []
 
 
 def _baseline_lines(report: dict) -> list:

@@ -155,8 +155,23 @@ class FrozenTail(nn.Module):
             return contextlib.nullcontext()
         return torch.autocast(torch.device(device).type, dtype=self.compute_dtype)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def view(self, start: int, stop: int) -> "FrozenTail":
+        """Blocks ``[start, stop)`` of this tail (counted inside it) with its final norm and rotary
+        embedding: the same modules and tensors, not copies. ``train_blocks`` (train/top_blocks.py) runs
+        the blocks below the trained ones once through one view and trains through the other."""
+        part = copy.copy(self)
+        part._modules = dict(self._modules)  # its own registry, so that replacing ``layers`` leaves this tail's
+        part.layers = self.layers[start:stop]  # a new ModuleList of the same blocks
+        part.first = self.first + start
+        part.targets = {index: linears for index, linears in self.targets.items()
+                        if part.first <= index < part.first + len(part.layers)}
+        return part
+
+    def blocks(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the blocks (float32), before the final norm."""
         hidden = hidden.float()
+        if not len(self.layers):  # a view without blocks (train_blocks: 0): the final norm only
+            return hidden
         mask = self.attention_mask(hidden.shape[1], hidden.device)
         position_ids = position_ids.to(hidden.device)
         embeddings = self.rotary(hidden, position_ids)
@@ -165,7 +180,10 @@ class FrozenTail(nn.Module):
                 out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=embeddings,
                             use_cache=False)
                 hidden = out[0] if isinstance(out, tuple) else out
-        return self.norm(hidden.float())  # the final norm in float32: what the correction reads
+        return hidden.float()
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.blocks(hidden, position_ids))  # the final norm in float32: what the correction reads
 
 
 def cached_tail(slot, ctx, depth: int) -> FrozenTail:

@@ -160,6 +160,31 @@ def no_regret_line(entry: Dict[str, Any]) -> List[str]:
     return [] if text is None else [f"  no regret: {text}"]
 
 
+def blocks_text(entry: Dict[str, Any]) -> Optional[str]:
+    """With ``train_blocks`` (the report's ``blocks``): which adapted blocks trained and which keep the
+    data-free extract; None without it (every adapted block trained)."""
+    blocks = entry.get("blocks")
+    if not blocks:
+        return None
+
+    def span(layers):  # the layers are consecutive: the top ones train, those below keep the extract
+        return f"block {layers[0]}" if len(layers) == 1 else f"blocks {layers[0]}–{layers[-1]}"
+
+    also = " and the ".join(blocks.get("also_trained") or ["final-state correction"])
+    count = f"{blocks['trained_parameters']:,} parameters"
+    trained = (f"{span(blocks['trained'])} trained with the {also} ({count})" if blocks["trained"]
+               else f"only the {also} trained ({count}; train_blocks: 0)")
+    kept = f"; {span(blocks['extract'])} keep{'s' * (len(blocks['extract']) == 1)} the data-free extract " \
+        "(expert − merge), untrained" if blocks["extract"] else ""
+    return f"{trained}{kept}; bake and export-peft fold both"
+
+
+def blocks_line(entry: Dict[str, Any]) -> List[str]:
+    """The console's line on ``blocks`` (none without train_blocks)."""
+    text = blocks_text(entry)
+    return [] if text is None else [f"  {text}"]
+
+
 def row_counted(behaviour: Optional[Dict[str, Any]]) -> bool:
     """Behaviour figures counted but not shown as a score (too few prompts, or none continued)."""
     return bool(behaviour) and "not_measured" in behaviour and "prompts" in behaviour
@@ -205,13 +230,15 @@ def summary_table(report: Dict[str, Any]) -> str:
               for name, entry in report.get("domains", {}).items() if row_counted(entry.get("behaviour"))]
     notes += [f"no regret {name}: {text}" for name, entry in report.get("domains", {}).items()
               if (text := no_regret_text(entry)) is not None]
+    notes += [f"blocks {name}: {text}" for name, entry in report.get("domains", {}).items()
+              if (text := blocks_text(entry)) is not None]
     notes = [part for note in notes for part in textwrap.wrap(note, 100, subsequent_indent="  ")]
     lines += [""] + notes if notes else []
     settings = report.get("surgery") or {}
     if settings:
         keys = ("method", "content", "loss", "rank", "head_rank", "max_positions", "steps", "seed")
         if settings.get("depth"):
-            keys += ("depth", "depth_rank")
+            keys += ("depth", "depth_rank") + (("train_blocks",) if settings.get("train_blocks") is not None else ())
         items = [f"{k}={settings[k]}" for k in keys if k in settings]
         if settings.get("preset") and items:
             items[-1] += f" (preset {settings['preset']})"

@@ -64,7 +64,9 @@ class TrainedDomain:
 def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryConfig,
                  settings: RunSettings, tail=None, merged_dir: Optional[str] = None) -> TrainedDomain:
     """Train one domain's module on its cached states and measure it on the held-out records.
-    ``tail`` (``depth > 0``): the frozen last blocks; the module then reads ``data.block_inputs``.
+    ``tail`` (``depth > 0``): the frozen last blocks; the module then reads ``data.block_inputs``, or
+    with ``train_blocks: k`` the input of the first of the last ``k`` blocks, computed once with the
+    extract's adapters on the blocks below (train/top_blocks.py), and runs only those ``k``.
     ``merged_dir``: the merge's weights, for the data-free extract (expert − merge) that
     ``adapter_init: delta`` starts from and the report's ``baseline`` measures."""
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape, count_parameters
@@ -75,12 +77,40 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     from mergekit_darts.repair.train.selection import fit, keep_better
     from mergekit_darts.repair.train.delta_init import extract_start, start_from_deltas
     from mergekit_darts.repair.train.tail import TailSurgery
+    from mergekit_darts.repair.train import top_blocks
 
     started = time.perf_counter()
     device = resolve_device(settings.device)
     kl = surgery.loss == "kl"
+    shape = SurgeryShape.from_config(surgery)
+    deltas, not_measured = extract_start(name, surgery, settings, tail, merged_dir, device)
     # what the module reads: the final states, or with depth the first adapted block's input
     inputs = data.block_inputs if tail is not None else data.merged_hidden
+    prefixes = getattr(data, "prefixes", None)  # the behaviour figures' held-out prefixes, read the same way
+    prefix_inputs = None if prefixes is None else prefixes.block_inputs if tail is not None else prefixes.merged_hidden
+    top = top_blocks.trained_blocks(surgery, tail)  # train_blocks: only the last `top` adapted blocks train
+    run_tail = tail  # the blocks a step runs
+
+    def make_module(from_deltas: bool = surgery.adapter_init == "delta"):
+        module = DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
+                                          vocab_size=merged_head.shape[0],
+                                          block_targets=tail.targets if tail is not None else None)
+        if from_deltas:
+            start_from_deltas(module, deltas)
+        if top is not None:  # the blocks below the trained ones keep the extract
+            top_blocks.freeze_below(module, tail.first + len(tail.layers) - top)
+        return TailSurgery(run_tail, module.to(device)) if tail is not None else module
+
+    if top is not None:  # their output, the first trained block's input, once per record (and prefix)
+        lower, run_tail = top_blocks.split_tail(tail, top)
+        with torch.random.fork_rng(devices=[]):
+            extract = make_module().surgery
+        batch = surgery.micro_batch_size or surgery.capture_batch_size
+        inputs = top_blocks.first_trained_inputs(lower, extract, inputs, data.position_ids, batch, device)
+        if prefix_inputs is not None:
+            prefix_inputs = top_blocks.first_trained_inputs(lower, extract, prefix_inputs, prefixes.position_ids,
+                                                            batch, device)
+        del extract
     tensors = {
         "merged": inputs, "target": data.expert_hidden, "mask": data.attention_mask,
         "position_ids": data.position_ids, "entropy": data.expert_entropy,
@@ -93,17 +123,6 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         part = {k: v[index].to(device) for k, v in tensors.items()}
         part["merged"], part["target"] = part["merged"].float(), part["target"].float()
         return part
-
-    shape = SurgeryShape.from_config(surgery)
-    deltas, not_measured = extract_start(name, surgery, settings, tail, merged_dir, device)
-
-    def make_module(from_deltas: bool = surgery.adapter_init == "delta"):
-        module = DomainSurgery.from_shape(shape, hidden_size=data.merged_hidden.shape[-1],
-                                          vocab_size=merged_head.shape[0],
-                                          block_targets=tail.targets if tail is not None else None)
-        if from_deltas:
-            start_from_deltas(module, deltas)
-        return TailSurgery(tail, module.to(device)) if tail is not None else module
 
     with memory_advice(name, surgery):
         fitted = fit(
@@ -147,6 +166,8 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         "selection": fitted.selection,
         "train_seconds": round(time.perf_counter() - started, 3),
     }
+    if top is not None:  # which blocks trained and which keep the extract
+        entry["blocks"] = top_blocks.blocks_entry(tail, top, module)
     eval_idx = held_idx if held_idx.numel() else train_idx
     entry["bias_split"] = "held_out" if held_idx.numel() else "train"
     held = {k: v[eval_idx] for k, v in tensors.items()}
@@ -169,7 +190,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
                                                      data.expert_head.to(device), merged_head.to(device),
                                                      surgery.kl_chunk_size)["after"]
         entry["no_regret"] = no_regret
-    prefix_corrected = corrected_prefixes(measured, data, tail is not None, device)
+    prefix_corrected = corrected_prefixes(measured, prefix_inputs, prefixes, device)
     module.cpu()  # the greedy-agreement figures on the cpu, where the cached states are
     entry["behaviour"] = domain_behaviour(data, eval_idx, corrected, module, merged_head.cpu(),
                                           surgery.domains[name].calibration.continue_tokens,
@@ -178,7 +199,7 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     if deltas is not None:  # what the same adapters give untrained, straight from the weights
         entry["baseline"] = measure_extract(make_module(from_deltas=True).eval(), deltas, data, eval_idx, held,
                                             merged_head, surgery, surgery.domains[name].calibration.continue_tokens,
-                                            device)
+                                            device, prefix_inputs)
     else:
         entry["baseline"] = {"not_measured": not_measured}
     # train_seconds + measure_seconds: the run's `train:<name>` stage (the report table says so)
@@ -196,22 +217,21 @@ def comparison_records(rows: Dict[str, torch.Tensor]):
     return "train", rows["train"]
 
 
-def corrected_prefixes(measured, data, with_tail: bool, device) -> Optional[torch.Tensor]:
-    """The corrected states of ``data.prefixes`` (held-out records cut to leave room for a
-    continuation, capture/prefixes.py), or None when the capture has none."""
-    prefixes = getattr(data, "prefixes", None)
-    if prefixes is None:
+def corrected_prefixes(measured, inputs: Optional[torch.Tensor], prefixes, device) -> Optional[torch.Tensor]:
+    """The corrected states of ``prefixes`` (held-out records cut to leave room for a continuation,
+    capture/prefixes.py) from ``inputs``, what the module reads of them; None when the capture has none."""
+    if inputs is None:
         return None
     with torch.no_grad():
-        inputs = prefixes.block_inputs if with_tail else prefixes.merged_hidden
         return measured(inputs.float().to(device), prefixes.position_ids.to(device)).cpu()
 
 
 def measure_extract(extract, deltas, data, eval_idx, held, merged_head, surgery, continue_tokens: int,
-                    device) -> Dict[str, Any]:
+                    device, prefix_inputs: Optional[torch.Tensor] = None) -> Dict[str, Any]:
     """The report's ``baseline``: the untrained delta-initialised module (the block adapters and head
     correction as ``mergekit-extract-lora`` would extract them, the final-state correction the identity)
-    measured on the same held-out records as the trained one."""
+    measured on the same held-out records (``held["input"]``, ``prefix_inputs``: what the trained one read) as
+    the trained one."""
     from mergekit_darts.repair.report.behaviour import domain_behaviour
     from mergekit_darts.repair.report.measure import held_out_kl
 
@@ -220,7 +240,7 @@ def measure_extract(extract, deltas, data, eval_idx, held, merged_head, surgery,
         corrected = extract(held["input"].float().to(device), held["position_ids"].to(device)).cpu()
     kl = held_out_kl(extract, {k: v.to(device) for k, v in held.items()}, data.expert_head.to(device),
                      merged_head.to(device), surgery.kl_chunk_size)
-    prefix_corrected = corrected_prefixes(extract, data, hasattr(extract, "surgery"), device)
+    prefix_corrected = corrected_prefixes(extract, prefix_inputs, getattr(data, "prefixes", None), device)
     surgery_module = (extract.surgery if hasattr(extract, "surgery") else extract).cpu()
     behaviour = domain_behaviour(data, eval_idx, corrected, surgery_module, merged_head.cpu(), continue_tokens,
                                  surgery.max_positions, surgery.kl_chunk_size, prefix_corrected)

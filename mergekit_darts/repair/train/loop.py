@@ -92,7 +92,8 @@ def train_surgery(
     device = merged.device
     surgery.to(device).train()
     adam = torch.optim.AdamW if weight_decay > 0 else torch.optim.Adam
-    optimizer = adam(surgery.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+    trained = [p for p in surgery.parameters() if p.requires_grad]  # train_blocks: frozen adapters stay the extract
+    optimizer = adam(trained, lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
     # one generator for the batch order and the KL position draws, in that order at every step
     generator = torch.Generator(device="cpu").manual_seed(seed)
     batches = _Batches(merged.shape[0], batch_size, generator)

@@ -25,11 +25,14 @@ def adapted_output(out: torch.Tensor, adapter, inputs: torch.Tensor, autocast: b
 
 @contextmanager
 def adapters_on(tail: FrozenTail, surgery):
-    """The domain's block adapters added to the tail's linears while the context is open."""
+    """The domain's block adapters added to the tail's linears while the context is open (only those of
+    the blocks ``tail`` holds: a view of part of the tail, ``FrozenTail.view``, leaves the others out)."""
     handles = []
     autocast = tail.compute_dtype is not None
     try:
         for index, path, adapter in surgery.block_adapters():
+            if not 0 <= index - tail.first < len(tail.layers):
+                continue
             linear = tail.layers[index - tail.first].get_submodule(path)
             handles.append(linear.register_forward_hook(
                 lambda module, args, out, adapter=adapter: adapted_output(out, adapter, args[0], autocast)))
