@@ -30,13 +30,13 @@ def deep_family(tmp_path_factory):
     return paths
 
 
-def _config(family, cache, depth="all", train_blocks=1, extra=""):
+def _config(family, cache, depth="all", train_blocks=1, extra="", calibration=""):
     texts = QUICK_TEXTS["math"] + QUICK_TEXTS["code"]
     return merge_yaml(family) + (
         f"surgery:\n  rank: 2\n  max_positions: 16\n  steps: 5\n  lr: 0.01\n  loss: kl\n  depth: {depth}\n"
         f"  depth_rank: 2\n  adapter_init: delta\n  train_blocks: {train_blocks}\n  held_out: 0.34\n  device: cpu\n"
         f"  dtype: float32\n  cache_dir: {cache}\n{extra}  domains:\n    math:\n      model: {family['math']}\n"
-        f"      calibration: {{texts: {texts}, samples: 6}}\n")
+        f"      calibration: {{texts: {texts}, samples: 6{calibration}}}\n")
 
 
 def _shipped(out, domain="math"):
@@ -135,9 +135,12 @@ def test_the_cached_input_is_what_the_corrected_model_computes(deep_family, tmp_
     monkeypatch.setattr(pipeline, "train_domain", spy_train)
     out = tmp_path / "out"
     shutil.copytree(deep_family["merged"], out)
-    report = pipeline.run_surgery(_config(deep_family, tmp_path / "cache", depth, train_blocks), str(out))
+    # continuations of 12 tokens leave 4 positions of 16 for a prompt: the longer held-out records are
+    # measured on prefixes (capture/prefixes.py), whose first trained block's input is computed once too
+    report = pipeline.run_surgery(_config(deep_family, tmp_path / "cache", depth, train_blocks,
+                                          calibration=", continue_tokens: 12"), str(out))
     first = LAYERS - train_blocks
-    assert [layer for layer, _ in cached] == [first]  # once: the records (no prefixes in this capture)
+    assert [layer for layer, _ in cached] == [first, first]  # once for the records, once for the prefixes
     blocks = report["domains"]["math"]["blocks"]
     adapted = range(LAYERS - (LAYERS if depth == "all" else depth), LAYERS)
     assert blocks["trained"] == [i for i in adapted if i >= first] and blocks["extract"] == [i for i in adapted if i < first]
@@ -145,18 +148,19 @@ def test_the_cached_input_is_what_the_corrected_model_computes(deep_family, tmp_
     assert words.startswith("only the final-state correction trained" if train_blocks == 0 else "block 2 trained")
     assert (" blocks 0–2 keep the" if train_blocks == 0 else " block 1 keeps the") in words
 
-    data = captured["math"]
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain="math",
                                                  dtype=torch.float32).eval()
     seen = []
     where = model.model.norm if first == LAYERS else model.model.layers[first]
     handle = where.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
-    with torch.no_grad():
-        model(input_ids=data.input_ids, attention_mask=data.attention_mask.long())
+    for data, (_, inputs) in zip((captured["math"], captured["math"].prefixes), cached):
+        seen.clear()
+        with torch.no_grad():
+            model(input_ids=data.input_ids, attention_mask=data.attention_mask.long())
+        mask = data.attention_mask.bool()
+        torch.testing.assert_close(inputs[mask], seen[0].float()[mask], atol=2e-5, rtol=1e-4)
     handle.remove()
-    mask = data.attention_mask.bool()
-    torch.testing.assert_close(cached[0][1][mask], seen[0].float()[mask], atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["Llama", "Qwen2"])
