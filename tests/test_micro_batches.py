@@ -130,7 +130,8 @@ def test_mergekit_yaml_with_micro_batches_ships_the_same_preset(tmp_path):
     for domain in ("math", "code"):
         whole, micro = (reports[n]["domains"][domain] for n in ("whole", "micro"))
         assert micro["selection"].get("steps") == whole["selection"].get("steps")
-        assert micro["held_out_kl"]["after"] == pytest.approx(whole["held_out_kl"]["after"], rel=1e-4)
+        # float32 sums in another order over hundreds of Adam steps: 1.04e-4 apart on an AVX512 machine
+        assert micro["held_out_kl"]["after"] == pytest.approx(whole["held_out_kl"]["after"], rel=1e-3)
     models = {n: AutoModelForCausalLM.from_pretrained(p, trust_remote_code=True) for n, p in outputs.items()}
     for domain in ("math", "code"):
         whole, micro = (models[n].darts[domain].state_dict() for n in ("whole", "micro"))
