@@ -114,6 +114,12 @@ class Run:
     bf16_weights: bool        # the capture's dtype (bfloat16 on a GPU by default)
     capture_batch: int = 8
     rank: int = 16            # the final-state content correction's
+    trained: Optional[int] = None  # train_blocks: the adapted blocks a step runs (None: all of them)
+
+    @property
+    def stepped(self) -> int:
+        """Blocks a training step runs forward and backward (the rest ran once, at their extract)."""
+        return self.depth if self.trained is None else min(self.trained, self.depth)
 
 
 def train_records(run: Run) -> Tuple[int, int]:
@@ -130,8 +136,8 @@ def step_flops(shape: Shape, run: Run, records: int) -> Dict[str, float]:
     positions = min(records, run.batch_records or records) * run.tokens
     if run.kl_positions:
         positions = min(positions, run.kl_positions)
-    attention = 4 * run.depth * (run.tokens / 2) * shape.heads * shape.head_dim
-    blocks = 2 * (2 * run.depth * shape.block_linear_parameters + attention) * positions
+    attention = 4 * run.stepped * (run.tokens / 2) * shape.heads * shape.head_dim
+    blocks = 2 * (2 * run.stepped * shape.block_linear_parameters + attention) * positions
     matmuls = 0 if run.loss != "kl" else (2 if run.kl_target != "exact" else 5)
     # the content correction's two [hidden x rank] matmuls, forward and backward (about 3x)
     correction = 3 * 2 * 2 * shape.hidden * run.rank * positions
@@ -197,7 +203,7 @@ def training_memory(shape: Shape, run: Run, micro_batch: Optional[int] = None) -
         "heads (float32)": 4 * shape.vocab * shape.hidden * (2 if kl and run.kl_target == "exact" else 1),
         "cached states": 4 * positions * shape.hidden * (3 if run.depth else 2),
         "cached KL target": (2 if run.kl_target == "bf16" else 0) * positions * shape.vocab if kl else 0,
-        "activations": per_block * active_positions * run.depth,
+        "activations": per_block * active_positions * run.stepped,
         "KL buffers": 3 * 4 * min(active_positions, run.kl_chunk if run.kl_chunk else active_positions)
                       * shape.vocab if kl else 0,
     }
@@ -237,7 +243,8 @@ def run_from_surgery(surgery, domain: str, layers: int, tokens: Optional[int] = 
                kl_positions=surgery.kl_positions_per_step, early_stopping=surgery.early_stopping,
                refit=surgery.refit, validation=surgery.validation, eval_every=surgery.eval_every,
                delta_start=surgery.adapter_init == "delta", bf16_weights=dtype == "bfloat16",
-               capture_batch=surgery.capture_batch_size, rank=surgery.rank)
+               capture_batch=surgery.capture_batch_size, rank=surgery.rank,
+               trained=None if surgery.train_blocks in (None, "all") else int(surgery.train_blocks))
 
 
 def plan_domain(shape: Shape, run: Run, card: Card) -> dict:

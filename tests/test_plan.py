@@ -150,3 +150,23 @@ def test_the_plan_check_benchmark_compares_every_stage_with_a_run(tmp_path):
         assert all(s["planned"] > 0 and s["measured"] > 0 for k, s in stages.items() if k != "peak memory added (bytes)")
     # the preset's shape of training adapts every block: the plan counts it far above the final-state loss
     assert rows["preset_shape"]["train math"]["planned"] > 10 * rows["ewl1"]["train math"]["planned"]
+
+
+def test_training_only_the_top_blocks_costs_their_steps_only():
+    """train_blocks: k: a step runs k blocks (the rest ran once at their extract); the float32 copy of
+    every adapted block is still held (the capture keeps the whole tail)."""
+    from mergekit_darts.config import parse_surgery_block
+    from mergekit_darts.plan import step_flops
+
+    shape = Shape.from_config(_hub_config("llama2-7b"))
+    runs = {}
+    for k in (None, 2, 0):
+        raw = {"preset": "best", "domains": {"math": {"model": "m", "calibration": {"texts": ["a"], "samples": 50}}}}
+        if k is not None:
+            raw["train_blocks"] = k
+        runs[k] = run_from_surgery(parse_surgery_block(raw), "math", shape.layers)
+    whole, top2, none = (step_flops(shape, runs[k], 40)["blocks"] for k in (None, 2, 0))
+    assert none < top2 < whole and abs(top2 / whole - 2 / 32) < 0.01
+    memory = {k: training_memory(shape, run, 1) for k, run in runs.items()}
+    assert memory[2]["frozen blocks (float32)"] == memory[None]["frozen blocks (float32)"]
+    assert memory[2]["activations"] * 16 == memory[None]["activations"] and memory[0]["activations"] == 0

@@ -90,7 +90,9 @@ def plan_lines(report: dict) -> List[str]:
              f"every record at {first.tokens} tokens, every step run",
              f"merged model {report['merged']}: {shape.parameters / 1e9:.2f} B parameters, hidden {shape.hidden}, "
              f"{shape.layers} layers, vocabulary {shape.vocab}",
-             f"surgery: loss {surgery.loss}, {first.depth} adapted block(s), {surgery.steps} steps"
+             f"surgery: loss {surgery.loss}, {first.depth} adapted block(s)"
+             + (f" ({first.stepped} trained, the rest at their extract)" if first.trained is not None else "")
+             + f", {surgery.steps} steps"
              + (" with early stopping" + (" and a refit" if surgery.refit else "") if surgery.early_stopping else "")
              + (f", preset {surgery.preset}" if surgery.preset else ""),
              f"  merge (mergekit, {report['models']} models read): {_minutes(report['merge_seconds'])}"]
