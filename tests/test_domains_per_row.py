@@ -155,7 +155,8 @@ def test_head_correction_in_small_chunks_is_the_same(tiny, monkeypatch, domains)
         hooks = type(model).__module__.rsplit(".", 1)[0] + ".hooks"  # the shipped hooks.py beside it
         monkeypatch.setattr(sys.modules[hooks], "HEAD_CHUNK_TOKENS", 3)
         chunked = model(**batch, darts_domain=domains).logits
-    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    # float32 matmuls of other shapes round differently on some CPU kernels (AVX512: 1.4e-6 apart)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
 
 
 def test_bfloat16_head_correction_sums_in_float32(tiny):
@@ -175,4 +176,10 @@ def test_bfloat16_head_correction_sums_in_float32(tiny):
     with torch.no_grad():
         head_logits = torch.nn.functional.linear(seen["h"], model.lm_head.weight)
         expected = (head_logits.float() + surgery.head_correction(seen["h"])).to(torch.bfloat16)
-    assert torch.equal(got, expected)
+        in_bf16 = (head_logits + surgery.head_correction(seen["h"]).to(torch.bfloat16))  # the sum it must not do
+    # the recomputed head matmul may round a logit differently on some CPU kernels (AVX512: 1 of 4875, one
+    # bf16 step); a sum in bf16 differs on about a quarter of them (1356 there)
+    differ = got != expected
+    assert int(differ.sum()) <= got.numel() // 100 < int((in_bf16 != expected).sum())
+    step = expected.float().abs() * 2 ** -7
+    assert bool(((got.float() - expected.float()).abs() <= step)[differ].all())
