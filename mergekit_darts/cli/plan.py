@@ -76,11 +76,13 @@ def plan_report(config_source: str, card_name: str, tokens=None) -> dict:
             "merge_seconds": merge_seconds(shape, _input_models(merge_part)), "models": _input_models(merge_part)}
 
 
-def _fit_cell(result: dict) -> str:
-    if result["fits"]:
-        return "yes"
-    micro = result["micro_batch_that_fits"]
-    return f"micro_batch_size: {micro}" if micro else "no"
+def _fit_cell(fits: List[dict]) -> str:
+    """What training needs on one card over every domain: 'yes', the smallest micro-batch any domain
+    needs, or 'no' when one domain does not fit even one record at a time."""
+    short = [fit for fit in fits if not fit["fits"]]
+    if any(fit["micro_batch_that_fits"] is None for fit in short):
+        return "no"
+    return f"micro_batch_size: {min(fit['micro_batch_that_fits'] for fit in short)}" if short else "yes"
 
 
 def plan_lines(report: dict) -> List[str]:
@@ -109,21 +111,13 @@ def plan_lines(report: dict) -> List[str]:
         lines.append("    training memory: " + ", ".join(f"{k} {_gb(v)}" for k, v in parts.items() if v))
         lines += [f"    to fit: {line}" for line in result["advice"]]
     lines.append(f"  total: {_minutes(total)} on one {card.name}")
-    cells: Dict[str, List[str]] = {}
+    fits: Dict[str, List[dict]] = {}
     for result in report["domains"].values():
         for key, fit in result["fit_on"].items():
-            cells.setdefault(key, []).append(_fit_cell(fit))
+            fits.setdefault(key, []).append(fit)
     lines.append(f"training fits ({100 * USABLE:.0f} % of each card's memory): "
-                 + " | ".join(f"{CARDS[key].memory_gb:g} GB: {worst(cells[key])}" for key in cells))
+                 + " | ".join(f"{CARDS[key].memory_gb:g} GB: {_fit_cell(fit)}" for key, fit in fits.items()))
     return lines
-
-
-def worst(cells: List[str]) -> str:
-    """The domain that needs the most: 'no' over a micro-batch (smallest first) over 'yes'."""
-    if "no" in cells:
-        return "no"
-    micro = sorted(int(c.split(": ")[1]) for c in cells if c.startswith("micro"))
-    return f"micro_batch_size: {micro[0]}" if micro else "yes"
 
 
 @click.command("plan")
