@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import real_family_v2 as family  # noqa: E402
-from _common import log  # noqa: E402
+from _common import log, machine_info  # noqa: E402
 from real_table import KL_POSITIONS  # noqa: E402
 
 EXTRACT = {"loss": "kl", "depth": "all", "adapter_init": "delta", "steps": 0}
@@ -79,6 +79,24 @@ def write_calibration(workdir: str, domains) -> int:
     return min(counts)
 
 
+def size_percent(out: str, domains) -> Dict[str, float]:
+    """Each domain's correction (the ``darts.<domain>.*`` tensors) as % of the model's own parameters."""
+    from safetensors import safe_open
+
+    def count(path, prefix=""):
+        with safe_open(path, "pt") as handle:
+            return {key: handle.get_slice(key).get_shape() for key in handle.keys() if key.startswith(prefix)}
+
+    def numel(shape):
+        return int(torch.tensor(shape).prod()) if shape else 1
+
+    model = sum(numel(shape) for name in os.listdir(out) if name.endswith(".safetensors")
+                and name != "darts.safetensors" for shape in count(os.path.join(out, name)).values())
+    darts = count(os.path.join(out, "darts.safetensors"), "darts.")
+    return {domain: round(100 * sum(numel(shape) for key, shape in darts.items()
+                                    if key.split(".")[1] == domain) / model, 4) for domain in domains}
+
+
 def table_path(workdir: str, seed: int = 0, table_name: Optional[str] = None) -> str:
     return os.path.join(workdir, table_name or ("table_v2.json" if seed == 0 else f"table_v2_seed{seed}.json"))
 
@@ -96,6 +114,8 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
     if os.path.exists(path):
         with open(path) as handle:
             table = json.load(handle)
+    for column in ("cpu_seconds", "size_percent", "machine"):
+        table.setdefault(column, {})
     base = os.path.join(workdir, "base")
     tokenizer = AutoTokenizer.from_pretrained(base)
     samples = write_calibration(workdir, family.DOMAINS)
@@ -107,7 +127,7 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
         label, overrides, calibration = REPAIRS[key]
         if "synthesize" in calibration:
             calibration = {**calibration, "synthesize_writer": base}
-        started = time.perf_counter()
+        started, cpu_started, load_before = time.perf_counter(), time.process_time(), os.getloadavg()
         out = os.path.join(workdir, f"repaired_{name}")
         if not os.path.exists(os.path.join(out, "config.json")):
             shutil.copytree(os.path.join(workdir, "merges", name), out)
@@ -119,7 +139,11 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
                                      family.load_test(workdir, domains))
         table["rows"][row], table["labels"][row] = scores, f"{name}: {label}"
         table["seconds"][row] = round(time.perf_counter() - started, 1)
+        table["cpu_seconds"][row] = round(time.process_time() - cpu_started, 1)
         table["peak_rss_gib"][row] = round(peak_rss_gib(), 2)  # the process's peak so far
+        table["size_percent"][row] = size_percent(out, domains)
+        # a row's seconds are a figure only where the machine was otherwise idle (load ~2 from this job)
+        table["machine"][row] = {**machine_info(), "load_average_before": load_before}
         for column, value in extra.items():
             table[column][row] = value
         with open(path + ".tmp", "w") as handle:
