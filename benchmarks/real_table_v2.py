@@ -43,6 +43,9 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
     **{f"extract_r{rank}": (f"Data-free extract, rank {rank} in every block", {**EXTRACT, "depth_rank": rank}, {})
        for rank in (1, 4, 8, 16, 64)},
     "preset": ("preset: best (its own steps)", {"preset": "best"}, {}),
+    # the preset's cheaper training (train_blocks): every block starts from the extract, the top k train
+    **{f"preset_top{k}": (f"preset: best, train_blocks: {k} (blocks below keep the extract)",
+                          {"preset": "best", "train_blocks": k}, {}) for k in (0, 2)},
     "preset_synth": ("preset: best + 450 prompts the base writes", {"preset": "best"}, {"synthesize": 450}),
 }
 BEST_MERGE_ROWS = tuple(REPAIRS)
