@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import List
 
 import torch
 
@@ -68,6 +69,50 @@ def measure(config: str, out: str) -> dict:
     return {"wall": time.perf_counter() - started, "stages": report["stages"], "rss_before_gib": before}
 
 
+def saved_activations(shapes=((256, 688, 4, 4), (576, 1536, 9, 3), (1024, 2816, 16, 4)), rank: int = 8,
+                      positions: int = 512) -> List[dict]:
+    """Float32 values autograd keeps per position for one of transformers' Llama blocks with a rank-r adapter
+    on every linear (frozen weights and the adapters themselves not counted: they are not activations),
+    beside the plan's ``ACTIVATION_VECTORS`` model of the same block."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from mergekit_darts.plan import ACTIVATION_VECTORS
+
+    rows = []
+    for hidden, intermediate, heads, kv_heads in shapes:
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                             num_key_value_heads=kv_heads, num_hidden_layers=1)
+        config._attn_implementation = "sdpa"  # what from_pretrained picks; eager also keeps heads x positions
+        layer = LlamaDecoderLayer(config, 0).requires_grad_(False)
+        adapters = []
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                down = torch.nn.Parameter(torch.randn(rank, module.in_features) * 0.01)
+                up = torch.nn.Parameter(torch.zeros(module.out_features, rank))
+                adapters += [down, up]
+                module.register_forward_hook(lambda m, i, o, a=down, b=up: o + (i[0] @ a.T) @ b.T)
+        x = torch.randn(1, positions, hidden)
+        position_ids = torch.arange(positions)[None]
+        embeddings = LlamaRotaryEmbedding(config)(x, position_ids)
+        seen = {t.data_ptr() for t in [*layer.parameters(), *adapters]}
+        saved = [0]
+
+        def pack(tensor):
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                saved[0] += tensor.numel()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            layer(x, position_ids=position_ids, position_embeddings=embeddings)
+        planned = ACTIVATION_VECTORS[0] * intermediate + ACTIVATION_VECTORS[1] * hidden
+        rows.append({"hidden": hidden, "intermediate": intermediate, "heads": heads, "kv_heads": kv_heads,
+                     "saved_per_position": saved[0] / positions, "planned_per_position": planned,
+                     "measured_over_planned": saved[0] / positions / planned})
+    return rows
+
+
 def predicted(config: str, tokens: int) -> dict:
     from mergekit_darts.cli.plan import plan_report
 
@@ -114,6 +159,12 @@ def main(argv=None):
             result["rows"][row] = {k: {"planned": p, "measured": m, "measured_over_planned": m / p if p else None}
                                    for k, (p, m) in rows.items()}
             table += [[row, k, f"{p:.3g}", f"{m:.3g}", f"{m / p:.2f}" if p else "-"] for k, (p, m) in rows.items()]
+    result["activations_per_block"] = saved_activations()
+    table_act = [[f"{r['hidden']} / {r['intermediate']} / {r['heads']}:{r['kv_heads']}", f"{r['saved_per_position']:.0f}",
+                  f"{r['planned_per_position']:.0f}", f"{r['measured_over_planned']:.2f}"]
+                 for r in result["activations_per_block"]]
+    print_table("float32 values autograd keeps per position in one Llama block (rank-8 adapters)",
+                ["hidden / MLP / heads", "saved", "planned", "saved / planned"], table_act)
     print_table("plan (--gpu cpu) against a measured run", ["surgery", "stage", "planned", "measured", "measured / planned"],
                 table)
     write_json("plan_check", result, args.out, args.overwrite)

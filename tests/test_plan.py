@@ -150,6 +150,9 @@ def test_the_plan_check_benchmark_compares_every_stage_with_a_run(tmp_path):
         assert all(s["planned"] > 0 and s["measured"] > 0 for k, s in stages.items() if k != "peak memory added (bytes)")
     # the preset's shape of training adapts every block: the plan counts it far above the final-state loss
     assert rows["preset_shape"]["train math"]["planned"] > 10 * rows["ewl1"]["train math"]["planned"]
+    # the activation model against what autograd keeps in transformers' own Llama block (SDPA)
+    blocks = json.loads(out.read_text())["activations_per_block"]
+    assert len(blocks) == 3 and all(0.95 < b["measured_over_planned"] < 1.25 for b in blocks), blocks
 
 
 def test_training_only_the_top_blocks_costs_their_steps_only():

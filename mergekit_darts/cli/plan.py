@@ -89,7 +89,8 @@ def plan_lines(report: dict) -> List[str]:
     shape, card, surgery = report["shape"], report["card"], report["surgery"]
     first = next(iter(report["domains"].values()))["run"]
     lines = [f"plan on {card.name} - an ESTIMATE from the configs (docs/scale.md#before-the-run-plan), "
-             f"every record at {first.tokens} tokens, every step run",
+             f"every record at {first.tokens} tokens, every step run; memory counts the tensors, not the "
+             "allocator's cache (small runs measured up to 2-4x it: leave headroom)",
              f"merged model {report['merged']}: {shape.parameters / 1e9:.2f} B parameters, hidden {shape.hidden}, "
              f"{shape.layers} layers, vocabulary {shape.vocab}",
              f"surgery: loss {surgery.loss}, {first.depth} adapted block(s)"
