@@ -223,6 +223,52 @@ def test_qwen2_extract_bakes_and_exports_with_its_biases(qwen2_extract, tmp_path
         model.merge_and_unload()
 
 
+def test_qwen2_adapters_export_without_their_biases_for_vllm_and_llama_cpp(qwen2_extract, tmp_path):
+    """``--drop-lora-bias``: no lora_B.bias and lora_bias: false (vLLM and llama.cpp take no LoRA bias);
+    PEFT's logits equal the remote-code model's with the adapters' biases zeroed, merge_and_unload works,
+    the command prints the held-out KL the surgery measured without them; export-gguf refuses the biases
+    naming the flag."""
+    import json
+
+    from click.testing import CliRunner
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_same_logits, logits_of
+    from mergekit_darts.cli import main
+
+    out, report = qwen2_extract
+    kl = report["domains"]["math"]["held_out_kl"]
+    assert kl["after_without_lora_bias"] > 0 and kl["after_without_lora_bias"] != kl["after"]
+    result = CliRunner().invoke(main, ["export-peft", out, str(tmp_path / "adapters"), "--drop-lora-bias"])
+    assert result.exit_code == 0, result.output
+    assert (f"math: DROPPED the block adapters' biases (--drop-lora-bias); held-out KL to the expert "
+            f"(darts_report.json, measured at training): plain merge {kl['before']:.4g}") in result.output
+    folder = tmp_path / "adapters" / "math"
+    assert not json.loads((folder / "adapter_config.json").read_text()).get("lora_bias")
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as handle:
+        assert not [key for key in handle.keys() if key.endswith(".bias")]
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain="math",
+                                                  dtype=torch.float32).eval()
+    with torch.no_grad():
+        zeroed = [p for name, p in remote.named_parameters() if ".blocks." in name and name.endswith("up.bias")]
+        assert len(zeroed) == 2 * 2 * 3  # q/k/v of both blocks, both domains
+        for param in zeroed:
+            param.zero_()
+    ids = _qwen2_ids(remote)
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "adapters" / "base-model"), dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, str(folder)).eval()
+    assert_same_logits(logits_of(model, ids), logits_of(remote, ids))
+    assert_same_logits(logits_of(model.merge_and_unload(), ids), logits_of(remote, ids))
+
+    (tmp_path / "llama.cpp").mkdir()
+    for name in ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py"):
+        (tmp_path / "llama.cpp" / name).write_text("raise SystemExit('not reached')\n")
+    result = CliRunner().invoke(main, ["export-gguf", out, str(tmp_path / "gguf"), "--llama-cpp", str(tmp_path / "llama.cpp")])
+    assert result.exit_code != 0 and "--drop-lora-bias" in result.output and not (tmp_path / "gguf").exists()
+
+
 def test_qwen2_adapter_biases_train_from_zero(qwen2_family, tmp_path):
     """With the identity start the q/k/v adapters' biases start at zero and train like the factors
     (the run's darts_report.json counts them in the module's parameters); no other adapter has one."""

@@ -25,6 +25,7 @@ COMMANDS = {
     "bake": ("mergekit_darts.cli.serve:bake_command", "Fold one domain into the weights: a plain model directory."),
     "export-peft": ("mergekit_darts.cli.serve:export_peft_command", "One PEFT LoRA adapter per domain on the plain merge."),
     "serve": ("mergekit_darts.cli.route:serve_command", "Route OpenAI-style requests to a domain's LoRA in llama-server."),
+    "export-gguf": ("mergekit_darts.cli.serve:export_gguf_command", "GGUF base + one LoRA GGUF per domain for llama.cpp / Ollama."),
     "sweep": ("mergekit_darts.cli.sweep:sweep_command", "A grid of merges x surgery variants x seeds on Ray."),
     "push": ("mergekit_darts.cli.hub:push_command", "Check an output directory, then upload it to the Hub."),
 }

@@ -60,6 +60,7 @@ class DomainFold:
     # written before adapters had biases has none (they are zero)
     block_biases: Optional[Dict[str, torch.Tensor]] = None
     dropped_final_state: bool = False  # up/down are then None: the head keeps only H_u·H_d
+    dropped_lora_bias: bool = False  # block_biases were read and left out (--drop-lora-bias)
 
     @property
     def changes_head(self) -> bool:
@@ -67,9 +68,11 @@ class DomainFold:
 
 
 def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False,
-                     drop_final_state: bool = False) -> DomainFold:
+                     drop_final_state: bool = False, drop_lora_bias: bool = False) -> DomainFold:
     """Read ``domain``'s tensors from ``out_dir`` after checking that they fold exactly (a depth
-    output's block adapters included); ``drop_final_state``: without the final-state correction."""
+    output's block adapters included); ``drop_final_state``: without the final-state correction;
+    ``drop_lora_bias``: without the block adapters' biases (Qwen2's q/k/v; vLLM and llama.cpp take no
+    LoRA bias)."""
     meta = layout.read_darts_entry(out_dir)
     shape = SurgeryShape.from_meta(meta)
     domains = list(meta.get("domains") or {})
@@ -90,10 +93,12 @@ def load_domain_fold(out_dir: str, domain: str, drop_position_bias: bool = False
                 raise FormatError(f"{shard}: missing tensor {key}")
             tensors[name] = handle.get_tensor(key).float()
         blocks, biases = _block_factors(handle, available, domain, shard) if shape.depth else (None, None)
+    dropped_bias = bool(drop_lora_bias and biases)
     return DomainFold(domain=domain, shape=shape, up=tensors.get("up.weight"), down=tensors.get("down.weight"),
                       head_up=tensors.get("head_up.weight"), head_down=tensors.get("head_down.weight"),
-                      dropped_position_bias=shape.method == "darts", blocks=blocks, block_biases=biases,
-                      dropped_final_state=drop_final_state)
+                      dropped_position_bias=shape.method == "darts", blocks=blocks,
+                      block_biases=None if drop_lora_bias else biases, dropped_final_state=drop_final_state,
+                      dropped_lora_bias=dropped_bias)
 
 
 def _block_factors(handle, available, domain: str, shard: str) -> Tuple[Dict[str, tuple], Dict[str, torch.Tensor]]:

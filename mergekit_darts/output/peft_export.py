@@ -137,14 +137,14 @@ def adapter_config(base_model: str, rank: int, block_modules: Sequence[str] = ()
 
 def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
                 drop_position_bias: bool = False, copy_base: bool = False,
-                drop_final_state: bool = False) -> Dict[str, dict]:
+                drop_final_state: bool = False, drop_lora_bias: bool = False) -> Dict[str, dict]:
     """Write ``dest/<domain>/`` adapters for ``domains`` (default: all) and their plain base
     ``dest/base-model/`` (weights hard-linked from ``out_dir``, or copied with ``copy_base``);
     returns {domain: summary, ..., "base-model": the base's summary}."""
     meta = layout.read_darts_entry(out_dir)
     known = list(meta.get("domains") or {})
     domains = list(domains or known)
-    folds = [load_domain_fold(out_dir, name, drop_position_bias, drop_final_state)  # all checked first
+    folds = [load_domain_fold(out_dir, name, drop_position_bias, drop_final_state, drop_lora_bias)  # all checked first
              for name in domains]
     if os.path.exists(dest):
         raise FoldError(f"DEST: {os.path.abspath(dest)} already exists; choose a new directory (nothing was overwritten)")
@@ -183,7 +183,7 @@ def export_peft(out_dir: str, dest: str, domains: Optional[List[str]] = None,
             summaries[fold.domain] = {"rank": rank, "dropped_position_bias": fold.dropped_position_bias,
                                       "dropped_final_state": fold.dropped_final_state, "shape": fold.shape,
                                       "hidden_size": hidden, "held_out_kl": kl, "block_modules": len(block_modules),
-                                      "lora_bias": has_lora_bias(fold)}
+                                      "lora_bias": has_lora_bias(fold), "dropped_lora_bias": fold.dropped_lora_bias}
         summaries[BASE_DIR] = base
 
     staged_directory(dest, write)

@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from mergekit_darts.remote_code.blocks import BlockAdapter
 from mergekit_darts.repair.train.kl import kl_loss
 from mergekit_darts.repair.train.tail import final_states
 
@@ -105,6 +106,21 @@ def held_out_kl(module, held, expert_head, merged_head, chunk_size) -> Dict[str,
         states = final_states(module, inputs, held["position_ids"])
         result["after_without_final_state"] = float(
             kl_loss(states[mask], target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
+    biased = [] if surgery.blocks is None else [
+        adapter.up for adapter in surgery.blocks.modules() if isinstance(adapter, BlockAdapter) and adapter.up.bias is not None]
+    if biased:
+        # what `export-peft --drop-lora-bias` keeps (vLLM and llama.cpp take no LoRA bias): the adapters'
+        # biases set to zero for this one forward, then put back
+        kept = [linear.bias.detach().clone() for linear in biased]
+        try:
+            for linear in biased:
+                linear.bias.zero_()
+            unbiased = module(inputs, held["position_ids"])[mask]
+        finally:
+            for linear, bias in zip(biased, kept):
+                linear.bias.copy_(bias)
+        result["after_without_lora_bias"] = float(
+            kl_loss(unbiased, target, expert_head, merged_head, head_correction=head, chunk_size=chunk_size))
     if module.position_bias is not None:
         # what `mergekit-darts bake --drop-position-bias` keeps: the correction without its table
         if states is None:
