@@ -3,6 +3,17 @@
 Every figure the benchmarks report is a ratio of two quantities measured in the same run,
 interleaved and repeated (the machines these run on are shared and noisy), so the helpers here
 are about pairing measurements and summarising them with medians.
+
+The scripts live in one folder per question (benchmarks/README.md is the map). Each starts with
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+    from _common import ...
+
+and importing this module puts every benchmark folder on ``sys.path`` (appended, so nothing installed
+is shadowed), so a script imports its siblings by module name wherever they live
+(``from real_model_check import save_base``, ``from bench_training import preset_flops``).
+``REPO``, ``RESULTS_DIR`` and ``DATA_DIR`` are the paths scripts read and write: none depends on the
+folder a script sits in.
 """
 
 import datetime
@@ -15,7 +26,17 @@ import sys
 import time
 from typing import Callable, Dict, List, Sequence
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCHMARKS)
+RESULTS_DIR = os.path.join(BENCHMARKS, "results")
+DATA_DIR = os.path.join(BENCHMARKS, "data")
+# the folders that hold scripts (not results/ or data/): every one on sys.path, see the docstring
+FOLDERS = sorted(name for name in os.listdir(BENCHMARKS)
+                 if not name.startswith((".", "_")) and os.path.isdir(os.path.join(BENCHMARKS, name))
+                 and any(f.endswith(".py") for f in os.listdir(os.path.join(BENCHMARKS, name))))
+for _folder in FOLDERS:
+    if os.path.join(BENCHMARKS, _folder) not in sys.path:
+        sys.path.append(os.path.join(BENCHMARKS, _folder))
 
 
 def machine_info() -> Dict[str, object]:

@@ -6,7 +6,7 @@ An ESTIMATE by a FLOP-and-bytes model (docs/scale.md "Before the run: plan"): ev
 length), training runs all of ``steps`` (early stopping can only stop sooner; the refit after it is
 counted), and each stage runs at a fixed share of the card's peak. The memory model counts the tensors the
 code holds (``repair/capture``, ``repair/train``); the time model is the one docs/scale.md's 7B figures
-use. ``benchmarks/cost/plan_check.py`` compares both with what tiny models measure on this CPU.
+use. ``benchmarks/speed_memory/plan_check.py`` compares both with what tiny models measure on this CPU.
 """
 
 import math

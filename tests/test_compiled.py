@@ -6,7 +6,7 @@ prompts, random surgery with every option (position table, head_rank 2, depth 1)
 the model's own routing states, so a router that averaged over padding would pick other domains
 (checked). Compiled runs use the ``aot_eager`` backend: the whole Dynamo capture and AOTAutograd
 (graph breaks, guards, functionalization of the in-place ops) in seconds; inductor compiles that same
-graph, and takes minutes per graph on these CPUs (benchmarks/bench_generation.py --compile runs it).
+graph, and takes minutes per graph on these CPUs (benchmarks/speed_memory/bench_generation.py --compile runs it).
 """
 
 import shutil

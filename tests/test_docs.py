@@ -290,5 +290,16 @@ def test_relative_links_resolve_to_files_and_headings():
     assert not broken, broken
 
 
+def test_named_benchmark_scripts_exist():
+    """Every ``benchmarks/<folder>/<script>.py`` that a page, a benchmark's README or docstring, a test or the
+    package names is there (the scripts live in one folder per question: benchmarks/README.md)."""
+    sources = [*PAGES, *(REPO / "benchmarks").rglob("*.md"), *(REPO / "benchmarks").glob("*/*.py"),
+               *(REPO / "tests").glob("*.py"), *(REPO / "mergekit_darts").rglob("*.py")]
+    missing = sorted({f"{path.relative_to(REPO)}: {name}" for path in sources
+                      for name in re.findall(r"benchmarks/[\w/]+\.py", path.read_text())
+                      if not (REPO / name).is_file()})
+    assert not missing, missing
+
+
 def test_the_front_page_is_short():
     assert len((REPO / "README.md").read_bytes()) <= 10_000

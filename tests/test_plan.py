@@ -136,9 +136,10 @@ def _hub_config(name):
 
 
 def test_the_plan_check_benchmark_compares_every_stage_with_a_run(tmp_path):
-    """benchmarks/plan_check.py at tiny shapes: the plan's figures beside a real mergekit-yaml run's."""
+    """benchmarks/speed_memory/plan_check.py at tiny shapes: the plan's figures beside a real mergekit-yaml run's."""
     out = tmp_path / "plan_check.json"
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "plan_check.py")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "speed_memory",
+                          "plan_check.py")
     result = subprocess.run([sys.executable, script, "--hidden", "32", "--layers", "2", "--steps", "2", "--samples", "4",
                              "--tokens", "16", "--threads", "1", "--out", str(out)], capture_output=True, text=True,
                             timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})

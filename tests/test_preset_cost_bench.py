@@ -1,4 +1,4 @@
-"""The benchmark that measures ``preset: best``'s step at 7B shapes on a GPU (benchmarks/gpu_kl_scale.py
+"""The benchmark that measures ``preset: best``'s step at 7B shapes on a GPU (benchmarks/gpu/gpu_kl_scale.py
 --preset, docs/scale.md) runs, here at tiny shapes on the CPU, and writes what docs/scale.md reads."""
 
 import json
@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_gpu_preset_step_script_runs_at_tiny_shapes_on_the_cpu(tmp_path):
     out = tmp_path / "preset.json"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_kl_scale.py"), "--preset", "--small",
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "gpu_kl_scale.py"), "--preset", "--small",
                              "--device", "cpu", "--repeats", "1", "--preset-batch", "8", "--out", str(out)],
                             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -33,7 +33,7 @@ def test_gpu_preset_step_script_runs_at_tiny_shapes_on_the_cpu(tmp_path):
 
 
 def _cost_module():
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "speed_memory"))
     import preset_cost_7b
 
     return preset_cost_7b
@@ -73,7 +73,8 @@ def test_variants_group_tags_with_the_same_overrides_and_test_against_the_preset
 
 def test_the_micro_batch_memory_benchmark_runs_and_every_variant_takes_the_same_step(tmp_path):
     out = tmp_path / "micro.json"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_micro_batches.py"), "--micro", "2",
+    script = REPO / "benchmarks" / "speed_memory" / "bench_micro_batches.py"
+    result = subprocess.run([sys.executable, str(script), "--micro", "2",
                              "--rows", "4", "--tokens", "8", "--layers", "1", "--threads", "1", "--out", str(out)],
                             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

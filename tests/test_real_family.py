@@ -1,4 +1,4 @@
-"""The real-weights benchmark's pieces (benchmarks/real_family.py, real_table.py) on a tiny model:
+"""The real-weights benchmark's pieces (benchmarks/real_weights/real_family.py, real_table.py) on a tiny model:
 the chat data, the answer-only fine-tune and its resume, and the table's rows through the real
 mergekit-yaml pipeline. The SmolLM2 build itself is too slow for CI (docs/results.md, "real weights")."""
 
@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                                "real_weights"))
 
 import real_family  # noqa: E402
 import real_table  # noqa: E402

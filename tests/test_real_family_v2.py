@@ -1,7 +1,7 @@
-"""Family v2's pieces (benchmarks/family_v2_tasks.py, real_family_v2.py, real_table_v2.py) on a tiny random
+"""Family v2's pieces (benchmarks/real_weights/family_v2_tasks.py, real_family_v2.py, real_table_v2.py) on a tiny random
 Llama: the new domains' generators and exact scorers, the LoRA expert merged into its weights, the
 paper's merges through mergekit, the extract's share of the gap, and the resume of every stage. The
-SmolLM2 build itself takes CPU-hours (benchmarks/README.md, "Family v2")."""
+SmolLM2 build itself takes CPU-hours (benchmarks/real_weights/README.md, "Family v2")."""
 
 import datetime
 import json
@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                                "real_weights"))
 
 import family_v2_tasks  # noqa: E402
 import real_family  # noqa: E402

@@ -1,7 +1,7 @@
 """The function check: the verdict is decided here, from plain data; HumanEval's semantics are kept.
 
 The attacks are in test_sandbox_attacks.py, the launch modes in test_sandbox_modes.py, all 164
-HumanEval problems in benchmarks/bench_sandbox.py (its committed result: 164/164).
+HumanEval problems in benchmarks/speed_memory/bench_sandbox.py (its committed result: 164/164).
 """
 
 import math

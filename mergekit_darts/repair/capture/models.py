@@ -46,7 +46,7 @@ def release_freed_memory() -> None:
     """Hand the heap memory freed by a capture pass back to the OS (glibc ``malloc_trim``).
 
     A forward pass frees its activations, but glibc keeps most of that heap mapped (0.3 W on the
-    benchmark's model, benchmarks/bench_capture_memory.py), and the next model's pass then runs on
+    benchmark's model, benchmarks/speed_memory/bench_capture_memory.py), and the next model's pass then runs on
     top of it. Elsewhere (no glibc) this does nothing."""
     global _TRIM
     if _TRIM is None:

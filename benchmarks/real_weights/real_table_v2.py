@@ -1,0 +1,212 @@
+"""The table of issue 44 on family v2 (``benchmarks/real_weights/real_family_v2.py``): one command rebuilds it from the
+work folder, scoring only the rows that are not there yet.
+
+Rows (100 test problems per domain, greedy, each domain with its own correction active):
+- read back from WORK/scores.json (the family's build): the base, each expert, every merge;
+- on the best five-expert merge (``best.all5.merge`` of scores.json, or ``--merge``): standard and
+  DARTS each with L1 and EWL1 (the paper's Tables 1, 5, 6), DARTS + KL, the data-free extract
+  (``adapter_init: delta``, ``steps: 0``, adapters in every block) at ranks 1, 4, 8, 16 and 64,
+  ``preset: best`` as the code runs it (its own steps) and with 450 prompts the base writes
+  (``synthesize``);
+- on every other merge: DARTS + EWL1, the rank-8 extract and the preset.
+Each repair goes through the same pipeline as ``mergekit-yaml`` (``run_surgery`` on a copy of the merge,
+``real_table.repaired_row``); a finished row is written to WORK/table_v2.json (``--seed N``:
+table_v2_seedN.json; issue 44 asks six seeds of ``SEEDED_ROWS``) at once and never run again.
+
+Usage: python benchmarks/real_weights/real_table_v2.py --workdir WORK [--rows all5_ta_0.5/darts_ewl1,...] [--seed N]
+       python benchmarks/real_weights/real_table_v2.py --workdir WORK --plan   (the declared rows, done or to do)
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _common
+from _common import log, machine_info  # noqa: E402
+import real_family_v2 as family  # noqa: E402
+from real_table import KL_POSITIONS  # noqa: E402
+
+EXTRACT = {"loss": "kl", "depth": "all", "adapter_init": "delta", "steps": 0}
+# key -> (label, surgery overrides, more keys of every domain's calibration source)
+REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
+    "standard_l1": ("Standard + L1 (Yang et al.)", {"method": "standard", "loss": "l1"}, {}),
+    "standard_ewl1": ("Standard + EWL1", {"method": "standard", "loss": "ewl1"}, {}),
+    "darts_l1": ("DARTS + L1", {"method": "darts", "loss": "l1"}, {}),
+    "darts_ewl1": ("DARTS + EWL1 (the paper's method)", {"method": "darts", "loss": "ewl1"}, {}),
+    "darts_kl": ("DARTS + KL", {"method": "darts", "loss": "kl", "kl_positions_per_step": KL_POSITIONS}, {}),
+    **{f"extract_r{rank}": (f"Data-free extract, rank {rank} in every block", {**EXTRACT, "depth_rank": rank}, {})
+       for rank in (1, 4, 8, 16, 64)},
+    "preset": ("preset: best (its own steps)", {"preset": "best"}, {}),
+    # the preset's cheaper training (train_blocks): every block starts from the extract, the top k train
+    **{f"preset_top{k}": (f"preset: best, train_blocks: {k} (blocks below keep the extract)",
+                          {"preset": "best", "train_blocks": k}, {}) for k in (0, 2)},
+    "preset_synth": ("preset: best + 450 prompts the base writes", {"preset": "best"}, {"synthesize": 450}),
+}
+BEST_MERGE_ROWS = tuple(REPAIRS)
+OTHER_MERGE_ROWS = ("darts_ewl1", "extract_r8", "preset")
+SEEDED_ROWS = ("standard_l1", "darts_ewl1", "preset")  # six seeds: the paper's Table 4 pair and the preset
+
+
+def declared_rows(best: str, seed: int = 0) -> List[str]:
+    """``<merge>/<repair>`` of every row of the table; for a seed other than 0, the best merge's
+    ``SEEDED_ROWS`` (the other rows have one seed)."""
+    if seed:
+        return [f"{best}/{key}" for key in SEEDED_ROWS]
+    rows = [f"{best}/{key}" for key in BEST_MERGE_ROWS]
+    return rows + [f"{name}/{key}" for name in family.MERGES if name != best for key in OTHER_MERGE_ROWS]
+
+
+def best_merge(workdir: str) -> str:
+    best = family.Scores(workdir).data.get("best", {}).get("all5")
+    if not best:
+        raise SystemExit(f"{workdir}/scores.json has no best five-expert merge yet: run real_family_v2.py "
+                         "(stages merges, scores, extract) first, or name one with --merge")
+    return best["merge"]
+
+
+def write_calibration(workdir: str, domains) -> int:
+    """WORK/calib_<domain>.jsonl (the chats the repairs calibrate on); returns the smallest count."""
+    counts = []
+    for domain in domains:
+        with open(os.path.join(workdir, "data", f"{domain}.json")) as handle:
+            calib = json.load(handle)["calib"]
+        with open(os.path.join(workdir, f"calib_{domain}.jsonl"), "w") as handle:
+            handle.writelines(json.dumps({"chat": example["chat"]}) + "\n" for example in calib)
+        counts.append(len(calib))
+    return min(counts)
+
+
+def size_percent(out: str, domains) -> Dict[str, float]:
+    """Each domain's correction (the ``darts.<domain>.*`` tensors) as % of the model's own parameters."""
+    from safetensors import safe_open
+
+    def count(path, prefix=""):
+        with safe_open(path, "pt") as handle:
+            return {key: handle.get_slice(key).get_shape() for key in handle.keys() if key.startswith(prefix)}
+
+    def numel(shape):
+        return int(torch.tensor(shape).prod()) if shape else 1
+
+    model = sum(numel(shape) for name in os.listdir(out) if name.endswith(".safetensors")
+                and name != "darts.safetensors" for shape in count(os.path.join(out, name)).values())
+    darts = count(os.path.join(out, "darts.safetensors"), "darts.")
+    return {domain: round(100 * sum(numel(shape) for key, shape in darts.items()
+                                    if key.split(".")[1] == domain) / model, 4) for domain in domains}
+
+
+def table_path(workdir: str, seed: int = 0, table_name: Optional[str] = None) -> str:
+    return os.path.join(workdir, table_name or ("table_v2.json" if seed == 0 else f"table_v2_seed{seed}.json"))
+
+
+def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] = None) -> dict:
+    from mergekit.options import MergeOptions
+    from real_table import merge_yaml, repaired_row
+    from transformers import AutoTokenizer
+
+    from mergekit_darts.pipeline import run_surgery
+    from mergekit_darts.repair.stages import peak_rss_gib
+
+    path = table_path(workdir, seed, table_name)
+    table = {"rows": {}, "labels": {}, "seconds": {}, "peak_rss_gib": {}, "routing": {}, "reports": {}}
+    if os.path.exists(path):
+        with open(path) as handle:
+            table = json.load(handle)
+    for column in ("cpu_seconds", "size_percent", "machine"):
+        table.setdefault(column, {})
+    base = os.path.join(workdir, "base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    samples = write_calibration(workdir, family.DOMAINS)
+    for row in rows:
+        if row in table["rows"]:
+            continue
+        name, key = row.split("/")
+        domains, (method, parameters) = family.MERGES[name]
+        label, overrides, calibration = REPAIRS[key]
+        if "synthesize" in calibration:
+            calibration = {**calibration, "synthesize_writer": base}
+        started, cpu_started, load_before = time.perf_counter(), time.process_time(), os.getloadavg()
+        out = os.path.join(workdir, f"repaired_{name}")
+        if not os.path.exists(os.path.join(out, "config.json")):
+            shutil.copytree(os.path.join(workdir, "merges", name), out)
+        config = merge_yaml(workdir, method, surgery=True, seed=seed, samples=samples, domains=domains,
+                            parameters=parameters, calibration=calibration)
+        report = run_surgery(config, out, overrides=overrides, options=MergeOptions(quiet=True, random_seed=seed),
+                             progress=False)
+        scores, extra = repaired_row(out, report, {**overrides, **calibration}, started, tokenizer,
+                                     family.load_test(workdir, domains))
+        table["rows"][row], table["labels"][row] = scores, f"{name}: {label}"
+        table["seconds"][row] = round(time.perf_counter() - started, 1)
+        table["cpu_seconds"][row] = round(time.process_time() - cpu_started, 1)
+        table["peak_rss_gib"][row] = round(peak_rss_gib(), 2)  # the process's peak so far
+        table["size_percent"][row] = size_percent(out, domains)
+        # a row's seconds are a figure only where the machine was otherwise idle (load ~2 from this job)
+        table["machine"][row] = {**machine_info(), "load_average_before": load_before}
+        for column, value in extra.items():
+            table[column][row] = value
+        with open(path + ".tmp", "w") as handle:
+            json.dump(table, handle, indent=1)
+        os.replace(path + ".tmp", path)
+        log(f"{row}: {scores} ({table['seconds'][row]} s)")
+    return table
+
+
+def markdown(workdir: str, table: dict) -> str:
+    """The references of scores.json, then the repairs, with each repair's share of its merge's gap."""
+    scores = family.Scores(workdir).data
+    experts = scores["rows"].get("experts", {})
+    lines = ["| row | " + " | ".join(family.DOMAINS) + " | gap kept (per domain) | seconds |",
+             "|---|" + "---|" * (len(family.DOMAINS) + 2)]
+
+    def line(label, row, seconds, merge=None):
+        cells = " | ".join(f"{row[d]:.0f}" if d in row else "–" for d in family.DOMAINS)
+        shares = family.gap_shares(merge, experts, row) if merge and experts else {}
+        kept = " ".join(f"{d} {s:.0%}" for d, s in shares.items() if s is not None) or "–"
+        lines.append(f"| {label} | {cells} | {kept} | {seconds if seconds is not None else '–'} |")
+
+    for key, row in scores["rows"].items():
+        merge = scores["rows"].get("merge:" + key.split(":", 1)[1]) if key.startswith("extract") else None
+        line(key, row, scores["seconds"].get(key), merge)
+    for key, row in table["rows"].items():
+        line(table["labels"][key], row, table["seconds"][key], scores["rows"].get("merge:" + key.split("/")[0]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--merge", default=None, help="the merge the full set of rows runs on (default: the best "
+                        "five-expert merge of scores.json)")
+    parser.add_argument("--rows", default=None, help="<merge>/<repair>,... (default: every declared row)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--table", default=None, help="file name in WORK (default table_v2.json / table_v2_seedN.json)")
+    parser.add_argument("--plan", action="store_true", help="list the declared rows, done or to do, and stop")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(args.threads)
+    declared = declared_rows(args.merge or best_merge(args.workdir), args.seed)
+    rows = args.rows.split(",") if args.rows else declared
+    unknown = [row for row in rows if row.count("/") != 1 or row.split("/")[0] not in family.MERGES
+               or row.split("/")[1] not in REPAIRS]
+    if unknown:
+        raise SystemExit(f"--rows: unknown row(s) {unknown}; a row is <merge>/<repair>, merges {list(family.MERGES)}, "
+                         f"repairs {list(REPAIRS)}")
+    if args.plan:
+        path, done = table_path(args.workdir, args.seed, args.table), {}
+        if os.path.exists(path):
+            with open(path) as handle:
+                done = json.load(handle)["rows"]
+        print("\n".join(f"{'done' if row in done else 'to do'}  {row}" for row in rows))
+        return
+    print(markdown(args.workdir, run(args.workdir, rows, args.seed, args.table)))
+
+
+if __name__ == "__main__":
+    main()

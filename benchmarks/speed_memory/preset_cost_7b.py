@@ -1,0 +1,163 @@
+"""The FLOP estimate of ``preset: best``'s training for a Llama-2-7B on one H200 (docs/scale.md), from the
+step counts early stopping chose on the demo (results/preset_steps.json) and the CPU-measured ratio of a
+preset step to a ``loss: kl`` step (results/bench_training_preset.json). An ESTIMATE: no 7B was trained.
+
+    python benchmarks/speed_memory/preset_cost_7b.py            # prints the table, writes results/preset_cost_7b.json
+
+The model (bench_training.preset_flops at 7B shapes): per position, the 32 blocks forward (2 x 6.48e9
+weights + causal attention scores) and backward to their inputs (the same again), and the exact KL's
+[positions x 4096] x [4096 x 32000] matmuls (5: checkpointed chunks). Rates: the blocks at 40 % of the
+H200's ~790 TFLOP/s bf16 peak under autocast, or at 67 TFLOP/s in float32 (what ran before), the KL at
+67 TFLOP/s (float32; docs/scale.md's KL section). Positions: 40 training records of 512 tokens (the
+paper's 50 prompts, 20 % held out); with early stopping the run trains on 32 of them (8 validate, one
+forward every ``eval_every`` steps) up to its stop, then refits the chosen step count on all 40. A run
+with ``batch_size`` B below the record count trains B records per step (both the stopped run and the
+refit), so its step costs B / records of a full-batch one.
+
+Below the per-run rows, one row per tag of preset_steps.json: the median and largest minutes of its
+domain runs, how many fit the target, and its mean task scores over its seeds — cost and quality of
+each variant side by side.
+"""
+
+import json
+import os
+import statistics
+import sys
+from typing import List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _common
+from _common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+from bench_training import preset_flops  # noqa: E402
+
+BF16_BLOCKS, FP32 = 0.4 * 790e12, 67e12
+RECORDS, TOKENS, VALIDATION, EVAL_EVERY = 40, 512, 8, 25
+TARGET_MIN = 10
+
+
+def seconds(steps: float, records: int, flops, block_rate: float, batch: Optional[int] = None) -> float:
+    positions = min(records, batch or records) * TOKENS
+    per_position = flops["blocks"] / block_rate + flops["kl"] / FP32
+    return steps * positions * per_position
+
+
+def domain_minutes(run_steps: float, chosen: float, flops, block_rate: float, early: bool, refit: bool = True,
+                   batch: Optional[int] = None) -> float:
+    """Minutes of one domain: the stopped run on the training records less the validation ones, the
+    validation checks, and (``refit``, the preset's default) the chosen steps again on all records;
+    ``batch``: records per step (None: all of them)."""
+    if not early:
+        return seconds(run_steps, RECORDS, flops, block_rate, batch) / 60
+    checks = run_steps / EVAL_EVERY + 1  # the validation forwards: about a third of a step's FLOPs each
+    total = (seconds(run_steps, RECORDS - VALIDATION, flops, block_rate, batch)
+             + (seconds(chosen, RECORDS, flops, block_rate, batch) if refit else 0.0)
+             + seconds(checks / 3, VALIDATION, flops, block_rate))
+    return total / 60
+
+
+def variant_rows(steps: dict, flops) -> List[dict]:
+    """Per variant (the tags of preset_steps.json with the same overrides, e.g. seeds run side by side
+    under two tags): its minutes per domain (median, largest, how many fit the target), its mean held-out
+    gap closed beside the data-free extract's measured in the same runs (the untrained start no-regret
+    compares with), and its mean task scores over the seeds it scored."""
+    grouped: dict = {}
+    for tag, run in steps.items():
+        key = json.dumps({**run["overrides"], **run.get("experiment", {})}, sort_keys=True)
+        grouped.setdefault(key, []).append((tag, run))
+    variants = []
+    for overrides, runs in grouped.items():
+        minutes, scores, gaps, extract_gaps, seeds = [], {}, {}, {}, 0
+        for _, run in runs:
+            batch = run["overrides"].get("batch_size")
+            seeds += len(run["seeds"])
+            for result in run["seeds"].values():
+                for domain, d in result["domains"].items():
+                    gaps.setdefault(domain, []).append(d["gap_closed"])
+                    extract_gaps.setdefault(domain, []).append(d["baseline_gap_closed"])
+                    minutes.append(domain_minutes(d["steps_run"], d["chosen_steps"], flops, BF16_BLOCKS, True,
+                                                  d.get("refit_records") is not None, batch))
+                for domain, score in (result.get("scores") or {}).items():
+                    scores.setdefault(domain, []).append(score)
+        experiment = runs[0][1].get("experiment")
+        variants.append({"tags": [tag for tag, _ in runs], "overrides": runs[0][1]["overrides"],
+                         "experiment": experiment, "is_preset": not runs[0][1]["overrides"] and not experiment,
+                         "seeds": seeds,
+                         "median_minutes": statistics.median(minutes), "max_minutes": max(minutes),
+                         "within_target": sum(m <= TARGET_MIN for m in minutes), "domain_runs": len(minutes),
+                         "mean_scores": {k: round(statistics.mean(v), 1) for k, v in scores.items()},
+                         "scores": scores, "mean_gap_closed": {k: round(statistics.mean(v), 3) for k, v in gaps.items()},
+                         "mean_extract_gap_closed": {k: round(statistics.mean(v), 3) for k, v in extract_gaps.items()}})
+    shipped = next((v for v in variants if v["is_preset"]), None)
+    for variant in variants:  # two-sided Mann-Whitney U of each domain's per-seed scores against the preset's
+        if shipped is not None and variant is not shipped:
+            variant["p_vs_preset"] = {domain: mann_whitney(scores, shipped["scores"].get(domain, []))
+                                      for domain, scores in variant["scores"].items()}
+    return variants
+
+
+def mann_whitney(a: List[float], b: List[float]) -> Optional[float]:
+    from scipy import stats
+
+    if len(a) < 2 or len(b) < 2 or len(set(a) | set(b)) == 1:
+        return None  # too few seeds, or every score equal (the test is undefined)
+    return round(float(stats.mannwhitneyu(a, b, alternative="two-sided").pvalue), 3)
+
+
+def main() -> None:
+    per_position = preset_flops(4096, 11008, 32, 32000, 1, TOKENS, kl_matmuls=5)
+    flops = {k: v / TOKENS for k, v in per_position.items() if k != "preset_over_kl"}
+    steps = json.load(open(os.path.join(RESULTS_DIR, "preset_steps.json")))["runs"]
+    ratio = json.load(open(os.path.join(RESULTS_DIR, "bench_training_preset.json")))["result"]
+    # (tag, seed, domain, steps run, steps chosen, refit or not): a run without refit has no refit_records
+    picked = [(tag, seed, domain, d["steps_run"], d["chosen_steps"], d.get("refit_records") is not None,
+               run["overrides"].get("batch_size"))
+              for tag, run in steps.items() for seed, result in run["seeds"].items()
+              for domain, d in result["domains"].items()]
+    rows, estimate = [], {"flops_per_position": flops, "preset_over_kl_flop_model_7b": per_position["preset_over_kl"],
+                          "preset_over_kl_measured_cpu": ratio["preset_over_kl"]["median"],
+                          "preset_over_kl_flop_model_cpu_shape": ratio["flop_model"]["preset_over_kl"], "rows": []}
+    for label, run_steps, chosen, rate, early, refit, batch in (
+            ["500 full-batch steps, float32 blocks (before)", 500, 500, FP32, False, False, None],
+            ["500 full-batch steps, bf16-autocast blocks", 500, 500, BF16_BLOCKS, False, False, None],
+            *[[f"early stopping ({tag} seed {seed} {domain}: ran {run}, chose {chosen}"
+               f"{'' if refit else ', no refit'}{f', batch {batch}' if batch else ''}), bf16 blocks",
+               run, chosen, BF16_BLOCKS, True, refit, batch]
+              for tag, seed, domain, run, chosen, refit, batch in picked]):
+        minutes = domain_minutes(run_steps, chosen, flops, rate, early, refit, batch)
+        rows.append([label, f"{minutes:.1f}", "yes" if minutes <= TARGET_MIN else "no"])
+        estimate["rows"].append({"label": label, "steps_run": run_steps, "chosen": chosen, "minutes": minutes,
+                                 "refit": refit, "batch_size": batch})
+    # the median: the preset as it ships (refit, up to 500 steps: tags early_stop_*), not the variants tried
+    picked = [p for p in picked if p[5] and p[0].startswith("early_stop")]
+    if picked:
+        run, chosen = statistics.median(p[3] for p in picked), statistics.median(p[4] for p in picked)
+        minutes = domain_minutes(run, chosen, flops, BF16_BLOCKS, True)
+        rows.append([f"early stopping, median of the demo's ({run:g} run, {chosen:g} chosen)", f"{minutes:.1f}",
+                     "yes" if minutes <= TARGET_MIN else "no"])
+        estimate["median"] = {"steps_run": run, "chosen": chosen, "minutes": minutes}
+        # the largest chosen step count that fits the target, stopping `patience x eval_every` = 100 steps later
+        fits = max((s for s in range(0, 501) if domain_minutes(s + 100, s, flops, BF16_BLOCKS, True) <= TARGET_MIN),
+                   default=0)
+        estimate["largest_chosen_within_target"] = fits
+        rows.append([f"the most steps early stopping may choose within {TARGET_MIN} min (stopping 100 later)",
+                     str(fits), ""])
+    print_table(f"preset: best per domain on one H200, Llama-2-7B, 40 x 512 training positions (ESTIMATE; "
+                f"{per_position['preset_over_kl']:.1f}x a loss: kl step by FLOPs, measured on this CPU at 7B "
+                f"proportions: {ratio['preset_over_kl']['median']:.1f}x vs {ratio['flop_model']['preset_over_kl']:.1f}x "
+                "by FLOPs)", ["training", "minutes per domain", f"<= {TARGET_MIN} min"], rows)
+    estimate["variants"] = variant_rows(steps, flops)
+    print_table("each variant of preset_steps.json: minutes per 7B domain (ESTIMATE) and demo task scores",
+                ["overrides", "seeds", "median min", "max min", f"runs <= {TARGET_MIN} min",
+                 "held-out gap closed", "the extract's, same runs", "math / code / instruct", "p vs the preset"],
+                [["(the preset)" if v["is_preset"] else json.dumps({**v["overrides"], **(v["experiment"] or {})}),
+                  v["seeds"], f"{v['median_minutes']:.1f}",
+                  f"{v['max_minutes']:.1f}", f"{v['within_target']} of {v['domain_runs']}",
+                  " / ".join(f"{g:.3f}" for g in v["mean_gap_closed"].values()),
+                  " / ".join(f"{g:.3f}" for g in v["mean_extract_gap_closed"].values()),
+                  " / ".join(f"{s:g}" for s in v["mean_scores"].values()),
+                  " / ".join("-" if p is None else f"{p:.2f}" for p in (v.get("p_vs_preset") or {}).values())]
+                 for v in estimate["variants"]])
+    write_json("preset_cost_7b", {"machine": machine_info(), "estimate": estimate}, overwrite=True)
+
+
+if __name__ == "__main__":
+    main()
