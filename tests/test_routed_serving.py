@@ -284,11 +284,15 @@ def test_serve_command_says_why_it_did_not_start(outputs):
 @pytest.mark.skipif(not os.environ.get("LLAMA_SERVER"), reason="no llama-server binary given (LLAMA_SERVER=path; "
                     "benchmarks/serving/routed_llama_server.py builds one from llama.cpp's source)")
 def test_real_llama_server(tmp_path):
-    """The router in front of a real llama-server: run by the benchmark's own check on the demo output."""
+    """The router in front of a real llama-server, by the benchmark's quick path: a repaired SmolLM2 pair
+    (the demo's toy tokenizer has no llama.cpp pre-tokenizer) through export-gguf and the real converters
+    (LLAMA_SERVER inside llama.cpp's build/bin), routing and greedy answers against transformers. About
+    25 minutes on 2 cores, most of it the pair's repair."""
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "serving", "routed_llama_server.py")
     result = subprocess.run([sys.executable, script, "--llama-server", os.environ["LLAMA_SERVER"], "--quick",
                              "--workdir", str(tmp_path), "--output", str(tmp_path / "result.json")],
-                            capture_output=True, text=True, timeout=1800)
+                            capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     figures = json.loads((tmp_path / "result.json").read_text())
-    assert figures["same_domain_share"] >= 0.99 and figures["same_tokens_share"] == 1.0
+    assert figures["same_domain_share"] >= 0.99 and figures["unexplained_mismatches"] == 0
+    assert figures["same_tokens_share"] >= 0.9  # the rest: near ties the two float32 sides order differently
