@@ -74,6 +74,9 @@ def test_export_writes_the_files_llama_server_and_ollama_take(linear_out, conver
     serving = (dest / "SERVING.md").read_text()
     assert f"--lora {dest / 'lora-math.gguf'} --lora {dest / 'lora-code.gguf'} --lora-init-without-apply" in serving
     assert f"ollama create out-math -f {dest / 'Modelfile.math'}" in serving
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(dest).st_mode & 0o777 == 0o777 & ~umask  # DEST gets the umask's mode, not a temp dir's 0700
     record = json.loads((dest / "export_gguf.json").read_text())
     assert record["outtype"] == "f32" and record["domains"] == ["math", "code"]
     assert os.path.isdir(linear_out) and not any(name.endswith(".gguf") for name in os.listdir(linear_out))

@@ -31,7 +31,6 @@ import logging
 import os
 import secrets
 import shutil
-import tempfile
 import time
 from typing import List, Optional
 
@@ -199,6 +198,18 @@ class StagedOutput:
         return kept
 
 
+def _new_directory(parent: str) -> str:
+    """A fresh ``.darts-staging-*`` directory in ``parent``, made by os.mkdir so that it (and DEST once
+    renamed) gets the umask's mode, not mkdtemp's 0700."""
+    while True:
+        path = os.path.join(parent, STAGING_PREFIX + secrets.token_hex(4))
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
 def staged_directory(dest: str, write) -> None:
     """Run ``write(stage)`` in a staging directory beside ``dest``, then rename it to ``dest`` (atomic).
     SIGTERM is handled like Ctrl-C (interrupts.py): either one while writing removes the partial copy
@@ -212,7 +223,7 @@ def staged_directory(dest: str, write) -> None:
     stage, written = None, False
     with terminate_as_interrupt():
         try:
-            stage = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=parent)
+            stage = _new_directory(parent)
             write(stage)
             with held_signals():
                 os.replace(stage, dest)
