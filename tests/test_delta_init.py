@@ -409,3 +409,43 @@ def test_extract_exports_as_a_standard_peft_lora(extract_output, tmp_path):
     model = PeftModel.from_pretrained(base, str(tmp_path / "adapters" / "math")).eval()
     assert_same_logits(logits_of(model, ids), expected)
     assert_same_logits(logits_of(model.merge_and_unload(), ids), expected)
+
+
+def test_export_gguf_pads_every_lora_to_one_rank_for_llama_cpp(extract_output, tmp_path):
+    """llama.cpp scales each LoRA by lora_alpha / its own rank with one lora_alpha per file: the head's
+    LoRA (rank + head_rank) beside block LoRAs (depth_rank) is padded with zeros to one rank, and PEFT's
+    logits with the padded adapter equal the unpadded one's (scaling 1 everywhere)."""
+    import json
+    import shutil
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_same_logits, logits_of
+    from mergekit_darts.output.peft_export import export_peft
+    from mergekit_darts.serving.gguf import uniform_rank
+
+    out, _ = extract_output
+    export_peft(out, str(tmp_path / "adapters"))
+    original, padded = tmp_path / "adapters" / "math", tmp_path / "padded"
+    shutil.copytree(original, padded)
+    config = json.loads((original / "adapter_config.json").read_text())
+    assert config["rank_pattern"] and config["rank_pattern"]["lm_head"] != config["r"]  # two ranks to start with
+    rank = uniform_rank(str(padded))
+    assert rank == max(config["r"], config["rank_pattern"]["lm_head"])
+    after = json.loads((padded / "adapter_config.json").read_text())
+    assert after["r"] == after["lora_alpha"] == rank and not after["rank_pattern"] and not after["alpha_pattern"]
+    tensors = load_file(str(padded / "adapter_model.safetensors"))
+    assert {t.shape[0] for k, t in tensors.items() if k.endswith("lora_A.weight")} == {rank}
+    assert {t.shape[1] for k, t in tensors.items() if k.endswith("lora_B.weight")} == {rank}
+    assert bool(tensors["base_model.model.lm_head.lora_B.weight"].any())  # a head correction that would show
+    assert uniform_rank(str(padded)) is None  # already uniform: left alone
+
+    base_dir = str(tmp_path / "adapters" / "base-model")
+    ids = torch.randint(4, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for folder in (original, padded):
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        logits.append(logits_of(PeftModel.from_pretrained(base, str(folder)).eval(), ids))
+    assert_same_logits(logits[1], logits[0])

@@ -3,7 +3,9 @@
 DEST gets ``base.gguf`` (the plain merge, ``convert_hf_to_gguf.py``), ``lora-<domain>.gguf`` per domain
 (``export-peft``'s adapter through ``convert_lora_to_gguf.py --base``), ``Modelfile.<domain>`` for Ollama
 (``FROM ./base.gguf`` + ``ADAPTER ./lora-<domain>.gguf``) and ``SERVING.md`` with the llama-server and
-``mergekit-darts serve`` command lines for this output. The PEFT adapters are written to a scratch
+``mergekit-darts serve`` command lines for this output. A domain whose LoRAs have different ranks (block
+adapters and a head correction) is first padded to one rank (``uniform_rank``): llama.cpp has one
+``lora_alpha`` per adapter file. The PEFT adapters are written to a scratch
 folder inside the staging directory and removed (``export-peft`` writes them for PEFT and vLLM).
 
 Parts llama.cpp cannot take are refused before anything is written, by the same checks as
@@ -45,6 +47,37 @@ def _convert(command: List[str], what: str) -> None:
     if result.returncode != 0:
         last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
         raise FoldError(f"{what}: llama.cpp's {os.path.basename(command[0])} failed ({last})")
+
+
+def uniform_rank(folder: str) -> Optional[int]:
+    """Give every LoRA of a PEFT adapter folder one rank, in place; returns it (None: already uniform).
+
+    llama.cpp scales each LoRA by ``lora_alpha / its own rank`` with one ``lora_alpha`` per file
+    (``convert_lora_to_gguf.py`` reads no ``alpha_pattern``), so a head LoRA of rank 6 beside block
+    LoRAs of rank 4 (``export-peft``'s ``rank_pattern``/``alpha_pattern``, scaling 1 in PEFT) would run
+    at 4/6. Zero rows of ``lora_A`` and zero columns of ``lora_B`` up to the largest rank leave every
+    product unchanged; ``r = lora_alpha`` = that rank then gives scaling 1 everywhere."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config_path = os.path.join(folder, "adapter_config.json")
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    if not config.get("rank_pattern") and not config.get("alpha_pattern"):
+        return None
+    weights_path = os.path.join(folder, "adapter_model.safetensors")
+    tensors = load_file(weights_path)
+    rank = max(t.shape[0] for key, t in tensors.items() if key.endswith("lora_A.weight"))
+    for key, tensor in list(tensors.items()):
+        if key.endswith("lora_A.weight") and tensor.shape[0] < rank:
+            tensors[key] = torch.cat([tensor, tensor.new_zeros(rank - tensor.shape[0], tensor.shape[1])])
+        elif key.endswith("lora_B.weight") and tensor.shape[1] < rank:
+            tensors[key] = torch.cat([tensor, tensor.new_zeros(tensor.shape[0], rank - tensor.shape[1])], dim=1)
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+    config.update(r=rank, lora_alpha=rank, rank_pattern={}, alpha_pattern={})
+    with open(config_path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=1)
+    return rank
 
 
 def serving_commands(out: str, dest: str, domains: List[str], router_states: Optional[str]) -> str:
@@ -106,6 +139,7 @@ def export_gguf(out: str, dest: str, llama_cpp: str, outtype: str = "f16", domai
                   "--outtype", outtype], "base.gguf")
         files[BASE_GGUF] = f"the plain merge ({outtype})"
         for domain in domains:
+            uniform_rank(os.path.join(peft, domain))
             _convert([os.path.join(llama_cpp, CONVERTERS[1]), os.path.join(peft, domain), "--base", base_dir,
                       "--outfile", os.path.join(stage, lora_gguf(domain)), "--outtype", outtype], lora_gguf(domain))
             with open(os.path.join(stage, f"Modelfile.{domain}"), "w", encoding="utf-8") as handle:
