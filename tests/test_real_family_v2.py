@@ -199,3 +199,17 @@ def test_table_declares_the_issues_rows_and_resumes(work, monkeypatch):
     assert real_table_v2.run(work, ["three_ta_1.0/extract_r8"])["rows"] == table["rows"]
     text = real_table_v2.markdown(work, table)
     assert "three_ta_1.0: Data-free extract, rank 8 in every block" in text and "| base |" in text
+
+    # the size-quality picture from the same work folder: the row's size and each expert's share kept
+    import size_quality
+
+    found = size_quality.points(real_family_v2.Scores(work).data, table, "three_ta_1.0")
+    assert [p["row"] for p in found] == ["plain merge", "extract_r8"]
+    experts, repaired = real_family_v2.Scores(work).data["rows"]["experts"], table["rows"]["three_ta_1.0/extract_r8"]
+    assert found[1]["kept"] == {d: round(repaired[d] / experts[d], 3) for d in repaired if experts[d]}
+    assert found[1]["size_percent"] == table["size_percent"]["three_ta_1.0/extract_r8"]
+    assert all(0 < size < 100 for size in found[1]["size_percent"].values())
+    picture = os.path.join(work, "size_quality.png")
+    size_quality.main(["--workdir", str(work), "--merge", "three_ta_1.0", "--out", picture])
+    with open(picture, "rb") as handle:
+        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
