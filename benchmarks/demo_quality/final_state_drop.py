@@ -21,8 +21,13 @@ data, family, YAML and scoring as ``mergekit-darts demo``, seed given by ``--see
 A rerun with the same WORKDIR reuses the family (the demo's stamp) and, when ``best.yml`` is unchanged and
 its output complete, the trained output: only the bakes and the scoring run again.
 
-Usage: python benchmarks/demo_quality/final_state_drop.py [--workdir DIR] [--seed 0]
-Writes benchmarks/results/final_state_drop.json (``--output`` to choose) and prints a table.
+``--foldable`` (issue 52): the preset trained from the start without the parts that have no weight form
+(``content: linear``, ``method: standard``: the final-state correction folds into the LM head, no position
+table), baked whole, no flag; its "without" row is then the baked model itself (the same correction).
+
+Usage: python benchmarks/demo_quality/final_state_drop.py [--workdir DIR] [--seed 0] [--foldable]
+Writes benchmarks/results/final_state_drop.json (final_state_drop_foldable.json with --foldable; ``--output``
+to choose) and prints a table.
 """
 
 import argparse
@@ -43,16 +48,21 @@ BIN = os.path.dirname(sys.executable)
 PRESET_OWNED = ("method", "loss", "rank", "steps", "lr", "head_rank", "content", "depth", "depth_rank")
 
 
-def preset_yaml(workdir, paths, seed, sizes):
+# the preset trained without the parts that have no weight form (issue 52): a linear final-state correction
+# (it folds into the LM head) and no position table; everything else is the preset's
+FOLDABLE = {"content": "linear", "method": "standard"}
+
+
+def preset_yaml(workdir, paths, seed, sizes, foldable=False):
     from mergekit_darts.demo.run import merge_yaml
 
     config = yaml.safe_load(merge_yaml(workdir, paths, seed, sizes))
     surgery = {key: value for key, value in config["surgery"].items() if key not in PRESET_OWNED}
-    config["surgery"] = {"preset": "best", **surgery}
+    config["surgery"] = {"preset": "best", **(FOLDABLE if foldable else {}), **surgery}
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def run(workdir: str, seed: int) -> dict:
+def run(workdir: str, seed: int, foldable: bool = False) -> dict:
     from mergekit_darts.demo import tasks
     from mergekit_darts.demo.evaluate import generate, score_completions
     from mergekit_darts.demo.family import build_family
@@ -70,8 +80,9 @@ def run(workdir: str, seed: int) -> dict:
                          spec=sizes.family, progress=False, log=log)
     seconds["family"] = round(time.perf_counter() - started, 1)
 
-    config_path, out = os.path.join(workdir, "best.yml"), os.path.join(workdir, "merged_best")
-    text = preset_yaml(workdir, paths, seed, sizes)
+    suffix = "_foldable" if foldable else ""
+    config_path, out = os.path.join(workdir, f"best{suffix}.yml"), os.path.join(workdir, f"merged_best{suffix}")
+    text = preset_yaml(workdir, paths, seed, sizes, foldable)
     previous = open(config_path).read() if os.path.exists(config_path) else None
     if previous == text and os.path.exists(os.path.join(out, "darts_report.json")):
         log(f"reusing {out} (trained from the same {config_path})")
@@ -87,10 +98,11 @@ def run(workdir: str, seed: int) -> dict:
     domains = list(tasks.DOMAINS)
     baked = {}
     for domain in domains:
-        baked[domain] = os.path.join(workdir, f"baked_{domain}")
+        baked[domain] = os.path.join(workdir, f"baked{suffix}_{domain}")
         shutil.rmtree(baked[domain], ignore_errors=True)
+        # the foldable preset bakes whole (no flag); today's drops its final-state correction
         subprocess.run([os.path.join(BIN, "mergekit-darts"), "bake", out, baked[domain], "--domain", domain,
-                        "--drop-final-state-correction"], check=True)
+                        *([] if foldable else ["--drop-final-state-correction"])], check=True)
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     test = {d: splits[d]["test"] for d in domains}
@@ -115,7 +127,8 @@ def run(workdir: str, seed: int) -> dict:
 
     report = read_json(os.path.join(out, "darts_report.json"))
     kl = {domain: report["domains"][domain]["held_out_kl"] for domain in domains}
-    return {"machine": machine_info(), "seed": seed, "preset": report["surgery"].get("preset"),
+    return {"machine": machine_info(), "seed": seed, "preset": report["surgery"].get("preset"), "foldable": foldable,
+            "baked": "whole (no flag)" if foldable else "--drop-final-state-correction",
             "surgery": {key: report["surgery"].get(key) for key in PRESET_OWNED},
             "test_problems": {d: len(test[d]) for d in domains}, "accuracy": accuracy,
             "same_greedy_completion_as_the_expert": expert_match, "held_out_kl": kl,
@@ -126,21 +139,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="./final_state_drop")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--foldable", action="store_true", help="train the preset with content: linear and "
+                        "method: standard (no part without a weight form) and bake it whole")
     add_output_options(parser)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.manual_seed(args.seed)
-    data = run(args.workdir, args.seed)
+    data = run(args.workdir, args.seed, args.foldable)
     rows = []
     for domain, kl in data["held_out_kl"].items():
         for name, value in (("merged", kl["before"]), ("repaired", kl["after"]),
-                            ("without", kl["after_without_final_state"])):
+                            ("without", kl["after" if data["foldable"] else "after_without_final_state"])):
             rows.append([domain, name, data["accuracy"][name][domain],
                          data["same_greedy_completion_as_the_expert"][name][domain], f"{value:.4f}"])
     print_table("preset: best with and without its final-state correction (expert solves "
                 + ", ".join(f"{d} {v}" for d, v in data["accuracy"]["expert"].items()) + ")",
                 ["domain", "model", "solved %", "same completion as the expert %", "held-out KL"], rows)
-    path = write_json("final_state_drop", data, args.out, args.overwrite)
+    path = write_json("final_state_drop_foldable" if args.foldable else "final_state_drop", data, args.out,
+                      args.overwrite)
     log(f"wrote {path}")
 
 
