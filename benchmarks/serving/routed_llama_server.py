@@ -161,10 +161,7 @@ def post(url: str, body: dict, timeout: float = 600) -> tuple:
         return json.loads(response.read()), dict(response.headers)
 
 
-def transformers_answers(out: str, ids_list, domains) -> list:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+def transformers_answers(model, ids_list, domains) -> list:
     answers = []
     for ids, domain in zip(ids_list, domains):
         model.set_darts_domain(domain)
@@ -174,20 +171,17 @@ def transformers_answers(out: str, ids_list, domains) -> list:
     return answers
 
 
-def divergence(out: str, tokenizer, ids, reference, engine_text: str, domain: str, engine=None) -> dict:
+def divergence(model, tokenizer, ids, reference, engine_text: str, domain: str, engine=None) -> dict:
     """Where the engine's answer leaves transformers' greedy tokens, and how close each side's choice was
     there: the gap between its two best logits (log-probabilities, the same gap) in transformers and, when
     ``engine`` = (url, lora list) is given, in llama-server at the same prefix. A near tie that the two
     sides' float32 arithmetic orders differently, not a different correction, shows as two small gaps
     with the two top tokens swapped."""
-    from transformers import AutoModelForCausalLM
-
     step = next((k for k in range(len(reference))
                  if not engine_text.startswith(tokenizer.decode(reference[:k + 1], skip_special_tokens=True))),
                 len(reference))
     if step == len(reference):
         return {"first_different_token": None}
-    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     model.set_darts_domain(domain)
     with torch.no_grad():
         logits = model(torch.tensor([list(ids) + list(reference[:step])])).logits[0, -1]
@@ -328,18 +322,17 @@ def measure(out: str, urls: dict, domains, quick: bool) -> dict:
     ids_list = [tokenizer(text)["input_ids"] for _, text in prompts]
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     routes = [model.route_domains(torch.tensor([ids]))[0] for ids in ids_list]
-    del model
     same = sum(s["domain"] == r for s, r in zip(served, routes))
     by_kind = {kind: {d: sum(1 for s in served if s["kind"] == kind and s["domain"] == d) for d in [*domains, "none"]}
                for kind in sets}
     # greedy answers: the first prompts of each kind, in the domain the router chose
     checked = [i for kind in sets for i in [j for j, p in enumerate(prompts) if p[0] == kind][: (4 if quick else 12)]]
-    reference = transformers_answers(out, [ids_list[i] for i in checked], [served[i]["domain"] for i in checked])
+    reference = transformers_answers(model, [ids_list[i] for i in checked], [served[i]["domain"] for i in checked])
     same_tokens = [tokenizer.decode(ref, skip_special_tokens=True) == served[i]["text"]
                    for i, ref in zip(checked, reference)]
     mismatches = [{"prompt": prompts[i][1][:80], "domain": served[i]["domain"], "engine": served[i]["text"],
                    "transformers": tokenizer.decode(ref, skip_special_tokens=True),
-                   **divergence(out, tokenizer, ids_list[i], ref, served[i]["text"], served[i]["domain"],
+                   **divergence(model, tokenizer, ids_list[i], ref, served[i]["text"], served[i]["domain"],
                                 (urls["engine"], lora_list(urls["engine"], served[i]["domain"])))}
                   for i, ref, ok in zip(checked, reference, same_tokens) if not ok]
     # throughput: one domain against mixed domains, each request a fixed 32 tokens

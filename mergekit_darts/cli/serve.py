@@ -27,13 +27,14 @@ def _kl_lines(domain: str, kl) -> list:
             f"without it (what was folded) {kl['after_without_position_bias']:.4f}"]
 
 
-def _echo_dropped(domain: str, summary: dict) -> None:
-    """What an export dropped of ``domain``'s correction and what that cost (export-peft's summary)."""
+def _echo_dropped(domain: str, summary: dict, block_linears: int, head_kept: bool) -> None:
+    """What an export dropped of ``domain``'s correction and what that cost (bake's or export-peft's
+    summary; they count the block linears and the head's rank under their own keys)."""
     from mergekit_darts.output.dropped import dropped_lines
 
     if summary["dropped_final_state"]:
-        for line in dropped_lines(domain, summary["shape"], summary["hidden_size"], summary["block_modules"],
-                                  summary["rank"] > 0, summary["held_out_kl"]):
+        for line in dropped_lines(domain, summary["shape"], summary["hidden_size"], block_linears, head_kept,
+                                  summary["held_out_kl"]):
             click.echo(line)
     elif summary["dropped_position_bias"]:
         for line in _kl_lines(domain, summary["held_out_kl"]):
@@ -63,17 +64,10 @@ def bake_command(out_path: str, dest: str, domain: str, drop_position_bias: bool
     """
     from mergekit_darts.output.bake import bake
     from mergekit_darts.output.check import check_output_dir
-    from mergekit_darts.output.dropped import dropped_lines
 
     check_output_dir(out_path)
     summary = bake(out_path, domain, dest, drop_position_bias=drop_position_bias, drop_final_state=drop_final_state)
-    if summary["dropped_final_state"]:
-        for line in dropped_lines(domain, summary["shape"], summary["hidden_size"], summary["block_linears"],
-                                  summary["head_rank"] > 0, summary["held_out_kl"]):
-            click.echo(line)
-    elif summary["dropped_position_bias"]:
-        for line in _kl_lines(domain, summary["held_out_kl"]):
-            click.echo(line)
+    _echo_dropped(domain, summary, summary["block_linears"], summary["head_rank"] > 0)
     folded = [f"lm_head from {summary['head_source']}"] if summary["head_source"] else ["lm_head unchanged"]
     folded += [f"{summary['block_linears']} block linears"] if summary["block_linears"] else []
     click.echo(f"Baked domain {domain!r} into {dest} ({', '.join(folded)})")
@@ -112,7 +106,7 @@ def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: b
     click.echo(f"{BASE_DIR}: plain {base['architecture']}{' with an untied lm_head' if base['untied_head'] else ''} "
                f"-> {os.path.join(dest, BASE_DIR)} (weight files: {files})")
     for name, summary in summaries.items():
-        _echo_dropped(name, summary)
+        _echo_dropped(name, summary, summary["block_modules"], summary["rank"] > 0)
         targets = [f"rank {summary['rank']} on lm_head"] if summary["rank"] else []
         targets += [f"rank {summary['shape'].depth_rank} on {summary['block_modules']} block linears"] if summary[
             "block_modules"] else []
@@ -150,6 +144,6 @@ def export_gguf_command(out_path, dest, llama_cpp, outtype, domains, drop_positi
                                    drop_position_bias=drop_position_bias, drop_final_state=drop_final_state,
                                    drop_lora_bias=drop_lora_bias)
     for name, summary in summaries.items():
-        _echo_dropped(name, summary)
+        _echo_dropped(name, summary, summary["block_modules"], summary["rank"] > 0)
     for name, what in files.items():
         click.echo(f"{os.path.join(dest, name)}: {what}")
