@@ -21,13 +21,18 @@ def test_gpu_preset_step_script_runs_at_tiny_shapes_on_the_cpu(tmp_path):
     preset = json.loads(out.read_text())["preset"]
     assert preset["shape"] == {"hidden": 64, "mlp": 96, "layers": 2, "heads": 4, "vocab": 512}
     measured = preset["measured"]
-    assert set(measured) == {"kl_depth0", "preset_float32", "preset_bf16_autocast"}
+    assert set(measured) == {"kl_depth0", "preset_float32", "preset_bf16_autocast",
+                             "preset_top0_bf16_autocast", "preset_top1_bf16_autocast"}
     assert preset["batch_size"] == 8 and preset["steps"] == {"stopped": 500, "refit": 500}
-    for row in measured.values():
+    assert preset["train_blocks"] == [0, 1]
+    for name, row in measured.items():
         assert row["seconds_per_step"] > 0 and row["minutes_per_domain"] > 0
-        # 8 records per step, in the stopped run and the refit alike: 1/5 of a 40-record step each
+        # 8 records per step, in the stopped run and the refit alike: 1/5 of a 40-record step each;
+        # train_blocks adds the frozen blocks' one-time forward
         full_step = row["seconds_per_step_at_20480_positions"]
-        assert abs(row["minutes_per_domain"] - full_step * (500 * 8 + 500 * 8) / 40 / 60) < 1e-9 * full_step
+        once = row.get("first_input_seconds_at_20480_positions", 0.0)
+        assert ("first_input_seconds_at_20480_positions" in row) == name.startswith("preset_top")
+        assert abs(row["minutes_per_domain"] - (full_step * (500 * 8 + 500 * 8) / 40 + once) / 60) < 1e-9 * full_step
     assert preset["flop_model"]["preset_over_kl"] > 1
     assert "min per domain" in result.stdout
 
@@ -82,3 +87,34 @@ def test_the_micro_batch_memory_benchmark_runs_and_every_variant_takes_the_same_
     assert [r["micro_batch_size"] for r in rows] == [None, 2]
     assert rows[0]["first_loss"] == pytest.approx(rows[1]["first_loss"], rel=1e-6)
     assert all(r["peak_added_mib"] >= 0 and r["seconds"] > 0 for r in rows)
+
+
+def test_train_blocks_estimate_counts_k_blocks_the_kl_and_the_frozen_blocks_once():
+    cost = _cost_module()
+    llama2, llama3 = cost.MODELS["Llama-2-7B"], cost.MODELS["Llama-3-8B"]
+    whole = cost.top_blocks_minutes(llama2, "all", 500, 500)
+    assert whole["first_input_minutes"] == 0 and abs(whole["minutes"] - cost.domain_minutes(
+        500, 500, {k: v / cost.TOKENS for k, v in cost.preset_flops(4096, 11008, 32, 32000, 1, cost.TOKENS,
+                                                                    kl_matmuls=5).items()},
+        cost.BF16_BLOCKS, True)) < 1e-9
+    top = {k: cost.top_blocks_minutes(llama2, k, 500, 500) for k in (0, 1, 2)}
+    # each trained block adds the same training minutes, and takes its forward out of the one-time pass
+    step = top[1]["training_minutes"] - top[0]["training_minutes"]
+    assert step > 0 and abs(top[2]["training_minutes"] - top[1]["training_minutes"] - step) < 1e-9
+    assert top[0]["first_input_minutes"] > top[1]["first_input_minutes"] > top[2]["first_input_minutes"] > 0
+    assert top[2]["minutes"] < whole["minutes"] / 4  # the exact float32 KL stays: most of a k = 2 step
+    # Llama-3's 128k vocabulary: the KL through the head is about 4x Llama-2's, most of a k = 0 step
+    three = cost.top_blocks_minutes(llama3, 0, 500, 500)
+    assert three["minutes"] > 3 * top[0]["minutes"] and top[0]["kl_share_of_step"] == 1.0  # k = 0: no block runs
+    assert cost.top_blocks_minutes(llama3, 1, 500, 500)["kl_share_of_step"] > top[1]["kl_share_of_step"] > 0.5
+    # touching 4096 of a step's positions charges the KL for those only
+    fewer = cost.top_blocks_minutes(llama3, 0, 500, 500, cost.BF16_BLOCKS, 4096)
+    assert fewer["minutes"] < cost.top_blocks_minutes(llama3, 0, 500, 500, cost.BF16_BLOCKS)["minutes"] / 3
+
+
+def test_real_family_step_counts_come_from_the_preset_rows_selection():
+    cost = _cost_module()
+    entry = {"selection": {"lr": 1e-3, "steps": 200, "candidates": [{"lr": 3e-3, "steps_run": 150},
+                                                                     {"lr": 1e-3, "steps_run": 300}]}}
+    assert cost.chosen_steps(entry) == (300, 200)
+    assert cost.chosen_steps({"selection": None}) is None and cost.chosen_steps(None) is None

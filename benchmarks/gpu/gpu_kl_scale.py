@@ -27,7 +27,10 @@ per step are scaled linearly to the preset's 20,480 positions per domain (40 rec
 trains the early-stopped steps on 32 of them, then refits on all 40) and to ``--preset-steps`` steps, and
 printed as minutes per domain against the 10-minute target; ``--preset-batch B``: B records per step
 (``batch_size``) instead of the full batch. The peak memory of the measured step is what one step of
-``--preset-samples`` records (or one micro-batch of that many, ``micro_batch_size``) needs. With
+``--preset-samples`` records (or one micro-batch of that many, ``micro_batch_size``) needs.
+``--train-blocks K ...`` (default 0 2) adds ``preset_topK_bf16_autocast``: ``train_blocks: K`` as the
+pipeline runs it, the last K blocks training from their input, which the blocks below compute once per
+record (its seconds, scaled to the 40 records, are added to the minutes per domain). With
 ``--small`` (H 64, 2 layers) it runs on a CPU:
 
     python benchmarks/gpu/gpu_kl_scale.py --preset                          # on a CUDA machine (minutes)
@@ -77,12 +80,22 @@ def parse_args(argv=None):
     p.add_argument("--preset-samples", type=int, default=8, help="records of --tokens per measured step")
     p.add_argument("--preset-steps", type=int, nargs=2, default=[500, 500], metavar=("STOPPED", "REFIT"),
                    help="steps of the early-stopped run (32 records) and of the refit (40 records) per domain")
+    p.add_argument("--preset-model", choices=("llama2", "llama3"), default="llama2",
+                   help="with --preset: Llama-2-7B's shapes (vocabulary 32000) or Llama-3-8B's (128256, 8 key/value heads)")
+    p.add_argument("--train-blocks", type=int, nargs="*", default=None,
+                   help="with --preset, also train_blocks: k for each k (the last k blocks train; default 0 2, "
+                        "with --small 0 1)")
     p.add_argument("--preset-batch", type=int, default=None,
                    help="records per step (batch_size; default: the full batch, as the preset trains)")
     args = p.parse_args(argv)
-    args.shape = (4096, 11008, 32, 32, 32000)  # hidden, MLP, layers, heads, vocabulary (Llama-2-7B)
+    # hidden, MLP, layers, heads, vocabulary; key/value heads
+    args.shape, args.kv_heads = {"llama2": ((4096, 11008, 32, 32, 32000), 32),
+                                 "llama3": ((4096, 14336, 32, 32, 128256), 8)}[args.preset_model]
     if args.small and args.preset:
         args.shape, args.preset_samples, args.tokens, args.steps = (64, 96, 2, 4, 512), 4, 32, 3
+        args.kv_heads = 2 if args.preset_model == "llama3" else 4
+    if args.train_blocks is None:
+        args.train_blocks = [0, 1] if args.small else [0, 2]
         args.repeats = max(args.repeats, 2)
     elif args.small:
         args.hidden, args.vocab, args.samples, args.tokens, args.steps, args.chunk = 64, 512, 4, 32, 20, 64
@@ -124,6 +137,33 @@ def run(tensors, options, steps, args, device):
     return time.perf_counter() - start, history
 
 
+def top_blocks_variant(tail, preset, embeddings, positions, k: int, device):
+    """``train_blocks: k`` as the pipeline trains it (repair/train/top_blocks.py): (a factory of the module
+    whose last k blocks train on a view of the tail, the first trained block's input, the seconds that
+    input took to compute: once per record, the blocks below under bf16 autocast as a GPU run does)."""
+    from mergekit_darts.repair.train import top_blocks
+    from mergekit_darts.repair.train.tail import TailSurgery
+
+    layers = len(tail.layers)
+    if not 0 <= k < layers:
+        raise SystemExit(f"--train-blocks: {k} must be 0 to {layers - 1} (all {layers}: the preset_* variants)")
+    lower, upper = top_blocks.split_tail(tail, k)
+
+    def make():
+        module = preset().surgery
+        return TailSurgery(upper, top_blocks.freeze_below(module, tail.first + layers - k))
+
+    torch.manual_seed(0)
+    start_module = make().surgery
+    tail.compute_dtype = torch.bfloat16
+    sync(device)
+    start = time.perf_counter()
+    inputs = top_blocks.first_trained_inputs(lower, start_module, embeddings, positions, embeddings.shape[0], device)
+    sync(device)
+    tail.compute_dtype = None
+    return make, inputs.to(device), time.perf_counter() - start
+
+
 def preset_step(args, device) -> dict:
     """``--preset``: seconds per full-batch step of kl_depth0, preset_float32 and preset_bf16_autocast."""
     from bench_training import preset_flops, preset_modules, random_llama
@@ -133,7 +173,7 @@ def preset_step(args, device) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(1)  # the tiny check: threads only contend on a shared machine
     log(f"{device}: a random Llama, hidden {hidden}, MLP {mlp}, {layers} layers; {n} x {t} positions")
-    model = random_llama(hidden, mlp, layers, heads, vocab, t, device=device)
+    model = random_llama(hidden, mlp, layers, heads, vocab, t, device=device, kv_heads=args.kv_heads)
     tail, preset, kl_only = preset_modules(model)
     g = torch.Generator(device=device).manual_seed(0)
     positions = torch.arange(t, device=device).expand(n, t).contiguous()
@@ -147,6 +187,10 @@ def preset_step(args, device) -> dict:
     del model
     variants = {"kl_depth0": (kl_only, final, None), "preset_float32": (preset, embeddings, None),
                 "preset_bf16_autocast": (preset, embeddings, torch.bfloat16)}
+    first_input_s = {}
+    for k in args.train_blocks:  # the preset's cheaper training: the last k blocks train from their input
+        make, inputs, first_input_s[k] = top_blocks_variant(tail, preset, embeddings, positions, k, device)
+        variants[f"preset_top{k}_bf16_autocast"] = (make, inputs, torch.bfloat16)
 
     def timed_run(make, inputs, autocast, steps):
         torch.manual_seed(0)
@@ -173,7 +217,11 @@ def preset_step(args, device) -> dict:
         scale = full_positions / (n * t)
         batch = args.preset_batch or 40  # records per step: the stopped run has 32, the refit all 40
         domain_s = per_step * scale * (stopped * min(batch, 32) + refit * min(batch, 40)) / 40
+        top = name.startswith("preset_top")
+        once = first_input_s[int(name[len("preset_top"):].split("_")[0])] * scale if top else 0.0
+        domain_s += once  # train_blocks: the frozen blocks' forward, once per record
         results[name] = {"seconds_per_step": per_step, "per_step_runs": per_steps,
+                         **({"first_input_seconds_at_20480_positions": once} if top else {}),
                          "seconds_per_step_at_20480_positions": per_step * scale,
                          "minutes_per_domain": domain_s / 60,
                          "peak_cuda_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
@@ -183,8 +231,11 @@ def preset_step(args, device) -> dict:
                 f"{n} x {t} positions measured; minutes per domain for {stopped} + {refit} (refit) steps of "
                 f"{args.preset_batch or 'all'} records (the full batch: 20,480 positions; target: 10)", ["variant", "s/step", "s/step at 20480", "min per domain"], rows)
     return {"shape": dict(zip(("hidden", "mlp", "layers", "heads", "vocab"), args.shape)), "rows": n, "tokens": t,
+            "train_blocks": args.train_blocks,
             "steps": {"stopped": stopped, "refit": refit}, "batch_size": args.preset_batch, "measured": results,
-            "flop_model": preset_flops(hidden, mlp, layers, vocab, n, t, kl_matmuls=3 if n * t <= args.chunk else 5)}
+            "kv_heads": args.kv_heads,
+            "flop_model": preset_flops(hidden, mlp, layers, vocab, n, t, kl_matmuls=3 if n * t <= args.chunk else 5,
+                                       kv_hidden=hidden // heads * args.kv_heads)}
 
 
 def main(argv=None):

@@ -253,7 +253,8 @@ def repaired_row(out: str, report: dict, settings: dict, started: float, tokeniz
         scores.update(score(model, tokenizer, test, [domain]))
     routing = routing_shares(model, tokenizer, test, everyday_requests()) if model.darts.router is not None else None
     summary = {d: {"held_out_kl": e.get("held_out_kl"), "baseline": e.get("baseline"),
-                   "train_seconds": e.get("train_seconds"), "final_loss": e.get("final_loss")}
+                   "train_seconds": e.get("train_seconds"), "final_loss": e.get("final_loss"),
+                   "selection": e.get("selection")}
                for d, e in report["domains"].items()}
     summary.update(surgery_seconds=round(surgery_seconds, 1), settings=settings, stages=report.get("stages"))
     return scores, {"routing": routing, "reports": summary}

@@ -191,8 +191,8 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.threads)
-    declared = declared_rows(args.merge or best_merge(args.workdir), args.seed)
-    rows = args.rows.split(",") if args.rows else declared
+    # named rows need no best merge (scores.json gets it from real_family_v2.py's extract stage)
+    rows = args.rows.split(",") if args.rows else declared_rows(args.merge or best_merge(args.workdir), args.seed)
     unknown = [row for row in rows if row.count("/") != 1 or row.split("/")[0] not in family.MERGES
                or row.split("/")[1] not in REPAIRS]
     if unknown:

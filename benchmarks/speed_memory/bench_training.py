@@ -225,12 +225,14 @@ def threads_check(args, n=40, t=64, hidden=64, steps=100, repeats=4) -> dict:
     return result
 
 
-def random_llama(hidden, mlp, layers, heads, vocab, positions, device="cpu", seed=0):
-    """A random float32 Llama of that shape, built on ``device``, in eval mode."""
+def random_llama(hidden, mlp, layers, heads, vocab, positions, device="cpu", seed=0, kv_heads=None):
+    """A random float32 Llama of that shape, built on ``device``, in eval mode (``kv_heads``: grouped-query
+    attention's key/value heads; default ``heads``)."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
-                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads or heads,
                                       max_position_embeddings=max(positions, 64), pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -278,14 +280,17 @@ def preset_rows(model, tail, n, t, seed=0) -> dict:
             "heads": {"expert_head": head + 0.02 * torch.randn(head.shape, generator=generator), "merged_head": head}}
 
 
-def preset_flops(hidden, mlp, layers, vocab, n, t, kl_matmuls=3) -> dict:
+def preset_flops(hidden, mlp, layers, vocab, n, t, kl_matmuls=3, kv_hidden=None) -> dict:
     """The FLOP model of docs/scale.md for one full-batch step at these shapes: the blocks forward
     (2 x weights x positions, plus attention scores 4 x t x hidden per position per layer) and backward to
     their inputs (the same again; the adapters' own gradients are left out, < 1 %), and the exact KL's
     [positions x hidden] x [hidden x vocab] matmuls (3 with one chunk: expert and merged logits, the
-    merged logits' backward; 5 with checkpointed chunks)."""
+    merged logits' backward; 5 with checkpointed chunks). ``layers``: the blocks a step runs (all of
+    them, or ``train_blocks``' k); ``kv_hidden``: the key/value width under grouped-query attention
+    (heads x head size; default ``hidden``: every head its own keys)."""
     positions = n * t
-    per_layer = 4 * hidden * hidden + 3 * hidden * mlp
+    kv = hidden if kv_hidden is None else kv_hidden
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp
     blocks = 2 * (2 * layers * per_layer * positions + 4 * layers * positions * (t / 2) * hidden)
     kl = kl_matmuls * 2 * positions * hidden * vocab
     return {"blocks": blocks, "kl": kl, "preset_over_kl": (blocks + kl) / kl}

@@ -34,24 +34,68 @@ RECORDS, TOKENS, VALIDATION, EVAL_EVERY = 40, 512, 8, 25
 TARGET_MIN = 10
 
 
-def seconds(steps: float, records: int, flops, block_rate: float, batch: Optional[int] = None) -> float:
+def seconds(steps: float, records: int, flops, block_rate: float, batch: Optional[int] = None,
+            kl_rate: float = FP32, kl_positions: Optional[int] = None) -> float:
+    """``kl_positions``: the positions a step's KL touches (``kl_positions_per_step``; None: all of them)."""
     positions = min(records, batch or records) * TOKENS
-    per_position = flops["blocks"] / block_rate + flops["kl"] / FP32
+    kl_share = 1.0 if kl_positions is None else min(1.0, kl_positions / positions)
+    per_position = flops["blocks"] / block_rate + kl_share * flops["kl"] / kl_rate
     return steps * positions * per_position
 
 
 def domain_minutes(run_steps: float, chosen: float, flops, block_rate: float, early: bool, refit: bool = True,
-                   batch: Optional[int] = None) -> float:
+                   batch: Optional[int] = None, kl_rate: float = FP32, kl_positions: Optional[int] = None) -> float:
     """Minutes of one domain: the stopped run on the training records less the validation ones, the
     validation checks, and (``refit``, the preset's default) the chosen steps again on all records;
-    ``batch``: records per step (None: all of them)."""
+    ``batch``: records per step (None: all of them); ``kl_rate``, ``kl_positions``: see ``seconds``."""
+    kl = {"kl_rate": kl_rate, "kl_positions": kl_positions}
     if not early:
-        return seconds(run_steps, RECORDS, flops, block_rate, batch) / 60
+        return seconds(run_steps, RECORDS, flops, block_rate, batch, **kl) / 60
     checks = run_steps / EVAL_EVERY + 1  # the validation forwards: about a third of a step's FLOPs each
-    total = (seconds(run_steps, RECORDS - VALIDATION, flops, block_rate, batch)
-             + (seconds(chosen, RECORDS, flops, block_rate, batch) if refit else 0.0)
-             + seconds(checks / 3, VALIDATION, flops, block_rate))
+    total = (seconds(run_steps, RECORDS - VALIDATION, flops, block_rate, batch, **kl)
+             + (seconds(chosen, RECORDS, flops, block_rate, batch, **kl) if refit else 0.0)
+             + seconds(checks / 3, VALIDATION, flops, block_rate, kl_rate=kl_rate))
     return total / 60
+
+
+# train_blocks: k (issue 52): the 7B shapes, the k blocks a step runs, and the KL through the head
+MODELS = {"Llama-2-7B": {"hidden": 4096, "mlp": 11008, "layers": 32, "vocab": 32000, "kv_hidden": 4096},
+          "Llama-3-8B": {"hidden": 4096, "mlp": 14336, "layers": 32, "vocab": 128256, "kv_hidden": 1024}}
+TRAIN_BLOCKS = (0, 1, 2, 4, "all")
+# the KL's settings: exact float32 (the preset today); bf16 logit matmuls (kl_precision: mixed) at the
+# blocks' rate; kl_positions_per_step 4096 (of 16,384 / 20,480 positions a step: the stopped run / refit)
+KL_VARIANTS = {"exact float32 KL": (FP32, None), "kl_precision: mixed": (BF16_BLOCKS, None),
+               "mixed + kl_positions_per_step 4096": (BF16_BLOCKS, 4096)}
+
+
+def top_blocks_minutes(model: dict, k, run_steps: float, chosen: float, kl_rate: float = FP32,
+                       kl_positions: Optional[int] = None) -> dict:
+    """Minutes of one domain with ``train_blocks: k`` (``"all"``: every block trains, the preset today):
+    the training as ``domain_minutes`` with k blocks per step (bf16 autocast), plus the one-time forward
+    of the 32 - k frozen blocks that computes the first trained block's input for the 40 records."""
+    layers = model["layers"] if k == "all" else k
+    shape = (model["hidden"], model["mlp"], layers, model["vocab"], 1, TOKENS)
+    flops = {key: value / TOKENS for key, value in
+             preset_flops(*shape, kl_matmuls=5, kv_hidden=model["kv_hidden"]).items() if key != "preset_over_kl"}
+    train = domain_minutes(run_steps, chosen, flops, BF16_BLOCKS, True, kl_rate=kl_rate, kl_positions=kl_positions)
+    below = 0 if k == "all" else model["layers"] - k
+    frozen = preset_flops(model["hidden"], model["mlp"], below, 1, RECORDS, TOKENS, kv_hidden=model["kv_hidden"])
+    once = frozen["blocks"] / 2 / BF16_BLOCKS / 60  # forward only, no backward
+    return {"minutes": train + once, "training_minutes": train, "first_input_minutes": once,
+            "kl_share_of_step": flops["kl"] / kl_rate / (flops["blocks"] / BF16_BLOCKS + flops["kl"] / kl_rate)}
+
+
+def top_blocks_rows(step_counts: dict) -> List[dict]:
+    """One row per model x k x KL setting x step counts (``step_counts``: label -> (run, chosen))."""
+    rows = []
+    for model_name, model in MODELS.items():
+        for k in TRAIN_BLOCKS:
+            for kl_name, (kl_rate, kl_positions) in KL_VARIANTS.items():
+                for steps_label, (run_steps, chosen) in step_counts.items():
+                    rows.append({"model": model_name, "train_blocks": k, "kl": kl_name, "steps": steps_label,
+                                 "steps_run": run_steps, "chosen": chosen,
+                                 **top_blocks_minutes(model, k, run_steps, chosen, kl_rate, kl_positions)})
+    return rows
 
 
 def variant_rows(steps: dict, flops) -> List[dict]:
@@ -156,7 +200,45 @@ def main() -> None:
                   " / ".join(f"{s:g}" for s in v["mean_scores"].values()),
                   " / ".join("-" if p is None else f"{p:.2f}" for p in (v.get("p_vs_preset") or {}).values())]
                  for v in estimate["variants"]])
+    step_counts = {"the demo's median": (estimate["median"]["steps_run"], estimate["median"]["chosen"])} \
+        if "median" in estimate else {"500 + 500": (500, 500)}
+    step_counts.update(real_family_steps())
+    estimate["train_blocks"] = top_blocks_rows(step_counts)
+    print_table("train_blocks: k, minutes per domain on one H200 (ESTIMATE; bf16 blocks, the one-time pass of the "
+                "frozen blocks included; KL share: of a step)",
+                ["model", "k", "KL", "steps (run, chosen)", "minutes", "KL share", f"<= {TARGET_MIN} min"],
+                [[r["model"], r["train_blocks"], r["kl"], f"{r['steps']} ({r['steps_run']:g}, {r['chosen']:g})",
+                  f"{r['minutes']:.1f}", f"{r['kl_share_of_step']:.0%}", "yes" if r["minutes"] <= TARGET_MIN else "no"]
+                 for r in estimate["train_blocks"]])
     write_json("preset_cost_7b", {"machine": machine_info(), "estimate": estimate}, overwrite=True)
+
+
+def real_family_steps() -> dict:
+    """The step counts early stopping chose in the real family's preset rows (results/real_table_v2.json,
+    train_blocks rows first), as label -> (median run, median chosen) over their domains; none before
+    those rows exist."""
+    path = os.path.join(RESULTS_DIR, "real_table_v2.json")
+    if not os.path.exists(path):
+        return {}
+    table, counts = json.load(open(path)), {}
+    for row, report in sorted(table.get("reports", {}).items()):
+        if "/preset" not in row:
+            continue
+        picked = [steps for domain in DOMAIN_NAMES if (steps := chosen_steps(report.get(domain)))]
+        if picked:
+            counts[f"real family {row.split('/')[1]}"] = (statistics.median(run for run, _ in picked),
+                                                          statistics.median(chosen for _, chosen in picked))
+    return counts
+
+
+DOMAIN_NAMES = ("math", "code", "instruct", "units", "dates")
+
+
+def chosen_steps(entry: Optional[dict]):
+    """(steps run, steps chosen) of a real_table row's domain entry (its report's ``selection``), or None."""
+    selection = (entry or {}).get("selection") or {}
+    runs = [c for c in selection.get("candidates", []) if c.get("lr") == selection.get("lr")]
+    return (runs[0]["steps_run"], selection["steps"]) if runs and "steps" in selection else None
 
 
 if __name__ == "__main__":
