@@ -213,3 +213,17 @@ def test_table_declares_the_issues_rows_and_resumes(work, monkeypatch):
     size_quality.main(["--workdir", str(work), "--merge", "three_ta_1.0", "--out", picture])
     with open(picture, "rb") as handle:
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_command_builds_the_family_first_then_the_rows(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(real_family_v2, "main", lambda argv: calls.append(("family", argv)))
+    monkeypatch.setattr(real_table_v2, "run", lambda workdir, rows, seed, table: calls.append(("rows", rows)) or
+                        {"rows": {}, "labels": {}, "seconds": {}})
+    monkeypatch.setattr(real_table_v2, "markdown", lambda workdir, table: "")
+    real_table_v2.main(["--workdir", str(tmp_path), "--build", "--rows", "all5_linear/extract_r8"])
+    assert calls == [("family", ["--workdir", str(tmp_path), "--threads", "2"]), ("rows", ["all5_linear/extract_r8"])]
+    # without a best merge in scores.json, naming the rows is enough; the default rows need it, and say so
+    calls.clear()
+    with pytest.raises(SystemExit, match="no best five-expert merge"):
+        real_table_v2.main(["--workdir", str(tmp_path)])
