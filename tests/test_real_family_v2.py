@@ -181,6 +181,26 @@ def test_scores_best_merges_and_the_extract_share_resume(work):
     assert reread.row("base", lambda: pytest.fail("a stored row was scored again")) == scores.data["rows"]["base"]
 
 
+def test_extract_curve_scores_each_rank_once_with_its_size(work, monkeypatch):
+    scores = real_family_v2.Scores(work)
+    real_family_v2.score_references(work, ["all5_linear"], scores)
+    curve = real_family_v2.measure_curve(work, "all5_linear", [1, 2], scores)
+    assert set(curve) == {1, 2} and set(curve[1]["scores"]) == set(DOMAINS)
+    assert scores.data["rows"]["extract2:all5_linear"] == curve[2]["scores"]
+    # the size counts the two factors of every block linear: twice the rank, twice the size
+    merged = weights(os.path.join(work, "merges", "all5_linear"))
+    factors = sum(t.shape[0] + t.shape[1] for n, t in merged.items() if ".layers." in n and n.endswith("proj.weight"))
+    from safetensors.torch import load_file
+
+    merge_dir = os.path.join(work, "merges", "all5_linear")
+    model = sum(t.numel() for name in os.listdir(merge_dir) if name.endswith(".safetensors")
+                for t in load_file(os.path.join(merge_dir, name)).values())  # a tied head is stored once
+    assert curve[1]["size_percent"] == round(100 * factors / model, 4)
+    assert abs(curve[2]["size_percent"] - 2 * curve[1]["size_percent"]) < 1e-3
+    monkeypatch.setattr(real_family_v2, "extract_scores", lambda *a, **k: pytest.fail("a rank was scored again"))
+    assert real_family_v2.measure_curve(work, "all5_linear", [1, 2], real_family_v2.Scores(work))[2]["scores"] == curve[2]["scores"]
+
+
 def test_table_declares_the_issues_rows_and_resumes(work, monkeypatch):
     rows = real_table_v2.declared_rows("all5_ta_0.5")
     assert {f"all5_ta_0.5/{key}" for key in ("standard_l1", "standard_ewl1", "darts_l1", "darts_ewl1", "darts_kl",

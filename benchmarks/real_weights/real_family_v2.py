@@ -12,7 +12,8 @@ fine-tune resumes from its last checkpoint (``real_family.finetune_expert``). La
     WORK/merges/<name>.yml, <name>/         the paper's merges (``MERGES``), mergekit's run_merge unchanged
     WORK/scores.json                        base, experts, each merge, the extract on each set's best merge
 
-Stages (``--stages``, in this order): ``experts``, ``merges``, ``scores``, ``extract``. The extract is
+Stages (``--stages``, in this order): ``experts``, ``merges``, ``scores``, ``extract``, ``curve`` (the
+extract at ``--curve-ranks`` on the best five-expert merge, rows ``extract<r>:<merge>``). The extract is
 applied to the merge's weights directly (every block linear plus the rank-r SVD of expert - merge, as
 ``benchmarks/demo_quality/extract_parts.py``'s ``blocks`` part: what ``adapter_init: delta``, ``steps: 0`` adds),
 one domain at a time; ``real_table_v2.py`` runs it through the pipeline at every rank.
@@ -57,7 +58,8 @@ SETS = {"all5": DOMAINS, "three": THREE}
 MERGES = {f"{group}_{method}": (domains, METHODS[method]) for group, domains in SETS.items() for method in METHODS}
 EXTRACT_RANK = 8
 DISCRIMINATES = {"max_share": 0.8, "domains": 3}  # the issue's target on the five-expert set
-STAGES = ("experts", "merges", "scores", "extract")
+STAGES = ("experts", "merges", "scores", "extract", "curve")
+CURVE_RANKS = (1, 4, 8, 16, 64)
 
 
 class Scores:
@@ -190,6 +192,37 @@ def extract_scores(workdir: str, merge_dir: str, domains, rank: int = EXTRACT_RA
     return result
 
 
+def extract_size_percent(merge_dir: str, rank: int) -> float:
+    """One domain's rank-``rank`` extract in every block linear (its two factors) as % of the model's
+    parameters (the tied head counted once)."""
+    from safetensors import safe_open
+
+    total = extract = 0
+    for name in sorted(os.listdir(merge_dir)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(merge_dir, name), "pt") as handle:
+            for key in handle.keys():
+                shape = handle.get_slice(key).get_shape()
+                total += int(torch.tensor(shape).prod()) if shape else 1
+                if ".layers." in key and key.endswith("proj.weight"):
+                    extract += rank * (shape[0] + shape[1])
+    return round(100 * extract / total, 4)
+
+
+def measure_curve(workdir: str, name: str, ranks: List[int], scores: "Scores") -> dict:
+    """The extract curve on merge ``name``: ``extract<r>:<name>`` rows of scores.json (the merge with each
+    domain's rank-r extract folded into its weights, scored as the merges are), with each rank's size."""
+    merge_dir, domains = os.path.join(workdir, "merges", name), MERGES[name][0]
+    curve = {}
+    for rank in ranks:
+        row = scores.row(f"extract{rank}:{name}", lambda rank=rank: extract_scores(workdir, merge_dir, domains, rank))
+        curve[rank] = {"scores": row, "size_percent": extract_size_percent(merge_dir, rank),
+                       "share_of_gap": gap_shares(scores.data["rows"][f"merge:{name}"], scores.data["rows"]["experts"], row)}
+    scores.put(curve={**scores.data.get("curve", {}), name: curve})
+    return curve
+
+
 def gap_shares(merge: Dict[str, float], expert: Dict[str, float], repaired: Dict[str, float]) -> Dict[str, Optional[float]]:
     """(repaired - merge) / (expert - merge) per domain; None where the merge is not below the expert."""
     return {d: (round((repaired[d] - merge[d]) / (expert[d] - merge[d]), 3) if expert[d] > merge[d] else None)
@@ -249,6 +282,8 @@ def main(argv=None):
     parser.add_argument("--merges", default=",".join(MERGES), help="merge names (default: all)")
     parser.add_argument("--steps", default="", help="per-domain steps, e.g. math=300,dates=200")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--curve-ranks", default=",".join(map(str, CURVE_RANKS)),
+                        help="the curve stage's extract ranks")
     parser.add_argument("--time-steps", type=int, default=0, help="only time N fine-tune steps per domain and kind")
     parser.add_argument("--time-combos", default=None, help="with --time-steps: domain:full|lora,... (default: all)")
     add_output_options(parser)
@@ -277,6 +312,10 @@ def main(argv=None):
         score_references(args.workdir, names, scores)
     if "extract" in stages:
         print(json.dumps(measure_extract(args.workdir, names, scores), indent=1))
+    if "curve" in stages:  # on the best five-expert merge (or the first of --merges when none is known)
+        best = scores.data.get("best", {}).get("all5", {}).get("merge") or names[0]
+        ranks = [int(r) for r in args.curve_ranks.split(",")]
+        print(json.dumps(measure_curve(args.workdir, best, ranks, scores), indent=1))
 
 
 if __name__ == "__main__":
