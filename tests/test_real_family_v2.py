@@ -225,6 +225,8 @@ def test_table_declares_the_issues_rows_and_resumes(work, monkeypatch):
 
     found = size_quality.points(real_family_v2.Scores(work).data, table, "three_ta_1.0")
     assert [p["row"] for p in found] == ["plain merge", "extract_r8"]
+    curve_points = size_quality.points(real_family_v2.Scores(work).data, table, "all5_linear")
+    assert [p["row"] for p in curve_points] == ["plain merge", "extract r1 (curve)", "extract r2 (curve)"]
     experts, repaired = real_family_v2.Scores(work).data["rows"]["experts"], table["rows"]["three_ta_1.0/extract_r8"]
     assert found[1]["kept"] == {d: round(repaired[d] / experts[d], 3) for d in repaired if experts[d]}
     assert found[1]["size_percent"] == table["size_percent"]["three_ta_1.0/extract_r8"]

@@ -2,7 +2,8 @@
 of the model's parameters) against the share of each expert's score it keeps, for the rows of
 ``real_table_v2.py`` on one merge, with the published reference points beside them.
 
-Reads WORK/scores.json (the experts, the plain merge) and WORK/table_v2.json; draws one marker per
+Reads WORK/scores.json (the experts, the plain merge, the extract curve of ``real_family_v2.py --stages
+curve``, joined by a line) and WORK/table_v2.json; draws one marker per
 domain (small) and the mean over domains (large) per row, the plain merge at size 0, and the published
 points: Delta-CoMe (mixed-precision delta compression) keeps 95-99 % of a fine-tune's score at about 1 bit
 per weight of the delta (1/16 of a bf16 model), and low-rank truncation of a 7B fine-tune's delta keeps
@@ -45,6 +46,10 @@ def points(scores: dict, table: dict, merge: str) -> List[dict]:
         if not sizes:
             continue
         found.append({"row": repair, "size_percent": sizes, "kept": kept(row)})
+    # the extract curve of real_family_v2.py's curve stage (folded into the weights: its factors only)
+    for rank, point in sorted(scores.get("curve", {}).get(merge, {}).items(), key=lambda item: int(item[0])):
+        found.append({"row": f"extract r{rank} (curve)", "size_percent": {d: point["size_percent"] for d in domains},
+                      "kept": kept(point["scores"]), "curve": True})
     return found
 
 
@@ -65,7 +70,12 @@ def draw(found: List[dict], out: str, title: str) -> None:
         axes.scatter(sizes, shares, s=12, color=color, alpha=0.5)
         mean_size = sum(sizes) / len(sizes)
         mean_share = sum(shares) / len(shares)
-        axes.scatter([mean_size], [mean_share], s=70, color=color, edgecolor="black", label=point["row"])
+        marker = "D" if point.get("curve") else "o"
+        axes.scatter([mean_size], [mean_share], s=70, color=color, edgecolor="black", marker=marker, label=point["row"])
+    curve = [p for p in found if p.get("curve") and p["kept"]]
+    if len(curve) > 1:  # the extract's means joined, rank by rank
+        axes.plot([sum(p["size_percent"].values()) / len(p["size_percent"]) for p in curve],
+                  [100 * sum(p["kept"].values()) / len(p["kept"]) for p in curve], color="black", linewidth=0.8)
     delta = PUBLISHED["delta_come"]
     axes.errorbar([delta["size_percent"]], [100 * sum(delta["kept"]) / 2], yerr=[[100 * (sum(delta["kept"]) / 2 - delta["kept"][0])],
                   [100 * (delta["kept"][1] - sum(delta["kept"]) / 2)]], fmt="s", color="gray", capsize=4,
