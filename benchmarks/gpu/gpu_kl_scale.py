@@ -94,13 +94,13 @@ def parse_args(argv=None):
     if args.small and args.preset:
         args.shape, args.preset_samples, args.tokens, args.steps = (64, 96, 2, 4, 512), 4, 32, 3
         args.kv_heads = 2 if args.preset_model == "llama3" else 4
-    if args.train_blocks is None:
-        args.train_blocks = [0, 1] if args.small else [0, 2]
         args.repeats = max(args.repeats, 2)
     elif args.small:
         args.hidden, args.vocab, args.samples, args.tokens, args.steps, args.chunk = 64, 512, 4, 32, 20, 64
         args.repeats = max(args.repeats, 3)  # a shared CPU is noisy
         VARIANTS["topk-mixed-pps4096"]["kl_positions_per_step"] = 48
+    if args.train_blocks is None:
+        args.train_blocks = [0, 1] if args.small else [0, 2]
     return args
 
 
