@@ -214,9 +214,8 @@ def main() -> None:
 
 
 def real_family_steps() -> dict:
-    """The step counts early stopping chose in the real family's preset rows (results/real_table_v2.json,
-    train_blocks rows first), as label -> (median run, median chosen) over their domains; none before
-    those rows exist."""
+    """The step counts early stopping chose in the real family's preset rows (results/real_table_v2.json),
+    as label -> (median run, median chosen) over their domains; none before those rows exist."""
     path = os.path.join(RESULTS_DIR, "real_table_v2.json")
     if not os.path.exists(path):
         return {}
