@@ -199,6 +199,9 @@ def test_extract_curve_scores_each_rank_once_with_its_size(work, monkeypatch):
     assert abs(curve[2]["size_percent"] - 2 * curve[1]["size_percent"]) < 1e-3
     monkeypatch.setattr(real_family_v2, "extract_scores", lambda *a, **k: pytest.fail("a rank was scored again"))
     assert real_family_v2.measure_curve(work, "all5_linear", [1, 2], real_family_v2.Scores(work))[2]["scores"] == curve[2]["scores"]
+    # a rerun with fewer ranks keeps the others in scores.json's curve
+    real_family_v2.measure_curve(work, "all5_linear", [2], real_family_v2.Scores(work))
+    assert set(real_family_v2.Scores(work).data["curve"]["all5_linear"]) == {"1", "2"}
 
 
 def test_table_declares_the_issues_rows_and_resumes(work, monkeypatch):

@@ -187,10 +187,11 @@ def preset_step(args, device) -> dict:
     del model
     variants = {"kl_depth0": (kl_only, final, None), "preset_float32": (preset, embeddings, None),
                 "preset_bf16_autocast": (preset, embeddings, torch.bfloat16)}
-    first_input_s = {}
+    first_input_s = {}  # variant -> seconds of its one-time pass through the frozen blocks
     for k in args.train_blocks:  # the preset's cheaper training: the last k blocks train from their input
-        make, inputs, first_input_s[k] = top_blocks_variant(tail, preset, embeddings, positions, k, device)
-        variants[f"preset_top{k}_bf16_autocast"] = (make, inputs, torch.bfloat16)
+        name = f"preset_top{k}_bf16_autocast"
+        make, inputs, first_input_s[name] = top_blocks_variant(tail, preset, embeddings, positions, k, device)
+        variants[name] = (make, inputs, torch.bfloat16)
 
     def timed_run(make, inputs, autocast, steps):
         torch.manual_seed(0)
@@ -217,11 +218,10 @@ def preset_step(args, device) -> dict:
         scale = full_positions / (n * t)
         batch = args.preset_batch or 40  # records per step: the stopped run has 32, the refit all 40
         domain_s = per_step * scale * (stopped * min(batch, 32) + refit * min(batch, 40)) / 40
-        top = name.startswith("preset_top")
-        once = first_input_s[int(name[len("preset_top"):].split("_")[0])] * scale if top else 0.0
+        once = first_input_s.get(name, 0.0) * scale
         domain_s += once  # train_blocks: the frozen blocks' forward, once per record
         results[name] = {"seconds_per_step": per_step, "per_step_runs": per_steps,
-                         **({"first_input_seconds_at_20480_positions": once} if top else {}),
+                         **({"first_input_seconds_at_20480_positions": once} if name in first_input_s else {}),
                          "seconds_per_step_at_20480_positions": per_step * scale,
                          "minutes_per_domain": domain_s / 60,
                          "peak_cuda_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}

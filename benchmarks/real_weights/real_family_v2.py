@@ -192,22 +192,30 @@ def extract_scores(workdir: str, merge_dir: str, domains, rank: int = EXTRACT_RA
     return result
 
 
-def extract_size_percent(merge_dir: str, rank: int) -> float:
-    """One domain's rank-``rank`` extract in every block linear (its two factors) as % of the model's
-    parameters (the tied head counted once)."""
+def tensor_shapes(directory: str, skip=("darts.safetensors",)) -> Dict[str, list]:
+    """name -> shape of every tensor in the directory's safetensors files but ``skip`` (a tied head is
+    stored once), read from the headers."""
     from safetensors import safe_open
 
-    total = extract = 0
-    for name in sorted(os.listdir(merge_dir)):
-        if not name.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(merge_dir, name), "pt") as handle:
-            for key in handle.keys():
-                shape = handle.get_slice(key).get_shape()
-                total += int(torch.tensor(shape).prod()) if shape else 1
-                if ".layers." in key and key.endswith("proj.weight"):
-                    extract += rank * (shape[0] + shape[1])
-    return round(100 * extract / total, 4)
+    shapes = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors") and name not in skip:
+            with safe_open(os.path.join(directory, name), "pt") as handle:
+                shapes.update({key: handle.get_slice(key).get_shape() for key in handle.keys()})
+    return shapes
+
+
+def numel(shape) -> int:
+    return int(torch.tensor(shape).prod()) if shape else 1
+
+
+def extract_size_percent(merge_dir: str, rank: int) -> float:
+    """One domain's rank-``rank`` extract in every block linear (its two factors) as % of the model's
+    parameters."""
+    shapes = tensor_shapes(merge_dir)
+    extract = sum(rank * (shape[0] + shape[1]) for key, shape in shapes.items()
+                  if ".layers." in key and key.endswith("proj.weight"))
+    return round(100 * extract / sum(numel(shape) for shape in shapes.values()), 4)
 
 
 def measure_curve(workdir: str, name: str, ranks: List[int], scores: "Scores") -> dict:
@@ -219,7 +227,8 @@ def measure_curve(workdir: str, name: str, ranks: List[int], scores: "Scores") -
         row = scores.row(f"extract{rank}:{name}", lambda rank=rank: extract_scores(workdir, merge_dir, domains, rank))
         curve[rank] = {"scores": row, "size_percent": extract_size_percent(merge_dir, rank),
                        "share_of_gap": gap_shares(scores.data["rows"][f"merge:{name}"], scores.data["rows"]["experts"], row)}
-    scores.put(curve={**scores.data.get("curve", {}), name: curve})
+    stored = scores.data.get("curve", {})
+    scores.put(curve={**stored, name: {**stored.get(name, {}), **{str(rank): point for rank, point in curve.items()}}})
     return curve
 
 

@@ -14,7 +14,8 @@ Each repair goes through the same pipeline as ``mergekit-yaml`` (``run_surgery``
 table_v2_seedN.json; issue 44 asks six seeds of ``SEEDED_ROWS``) at once and never run again.
 
 Usage: python benchmarks/real_weights/real_table_v2.py --workdir WORK --build   (from an empty folder: the family
-         first, resuming each stage, then every declared row; about 1 h + 6 min a row on 2 idle cores)
+         first, resuming each stage, then every declared row; on 2 idle cores the experts
+         took 67 min and a row 5-8 min, 17 min for preset_top0_fast: docs/results.md)
        python benchmarks/real_weights/real_table_v2.py --workdir WORK [--rows all5_ta_0.5/darts_ewl1,...] [--seed N]
        python benchmarks/real_weights/real_table_v2.py --workdir WORK --plan   (the declared rows, done or to do)
 """
@@ -91,19 +92,9 @@ def write_calibration(workdir: str, domains) -> int:
 
 def size_percent(out: str, domains) -> Dict[str, float]:
     """Each domain's correction (the ``darts.<domain>.*`` tensors) as % of the model's own parameters."""
-    from safetensors import safe_open
-
-    def count(path, prefix=""):
-        with safe_open(path, "pt") as handle:
-            return {key: handle.get_slice(key).get_shape() for key in handle.keys() if key.startswith(prefix)}
-
-    def numel(shape):
-        return int(torch.tensor(shape).prod()) if shape else 1
-
-    model = sum(numel(shape) for name in os.listdir(out) if name.endswith(".safetensors")
-                and name != "darts.safetensors" for shape in count(os.path.join(out, name)).values())
-    darts = count(os.path.join(out, "darts.safetensors"), "darts.")
-    return {domain: round(100 * sum(numel(shape) for key, shape in darts.items()
+    model = sum(family.numel(shape) for shape in family.tensor_shapes(out).values())
+    darts = {key: shape for key, shape in family.tensor_shapes(out, skip=()).items() if key.startswith("darts.")}
+    return {domain: round(100 * sum(family.numel(shape) for key, shape in darts.items()
                                     if key.split(".")[1] == domain) / model, 4) for domain in domains}
 
 
