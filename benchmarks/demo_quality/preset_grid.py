@@ -1,0 +1,249 @@
+"""Which preset (issue 52): ``preset: best`` with ``train_blocks: k`` for k in {0, 1, 2, all}, each with today's
+final-state correction (ReLU content + position table) and with the foldable one (``content: linear``,
+``method: standard``: folds into the LM head), over several seeds of the demo, the untrained extract beside them.
+
+Per seed (the demo's data, family, YAML and scoring, ``mergekit_darts.demo``; the family is built once a seed):
+
+1. every cell runs the demo's YAML with ``preset: best`` and the cell's keys through ``mergekit-yaml`` in a
+   child process (its own capture cache, so each cell pays what a user pays), wall and CPU seconds of that
+   child (``RUSAGE_CHILDREN``: every thread of it);
+2. scores the demo's held-out test problems per domain with the repaired model (remote code) and, once a
+   seed, the plain merge and the experts;
+3. reads the held-out KL gap closed per domain from ``darts_report.json`` and the untrained extract's gap
+   (``baseline``) measured in the same run; the ``extract`` cell (``steps: 0``) gives the extract's task scores.
+
+Each cell's result is a JSON file in ``WORKDIR/seed<N>/cells/``: a rerun skips what is there (``--redo`` to
+run a cell again), so the grid can be stopped and resumed. The summary (every seed found in WORKDIR) goes to
+``benchmarks/results/preset_grid.json`` with, per cell, the means, the two-sided Mann-Whitney p against the
+domain's best cell and the choice rule of issue 52: the cheapest cell (mean CPU seconds) whose every domain
+is within noise of that domain's best cell (p > 0.05 and a mean at most 2 points lower).
+
+Usage: python benchmarks/demo_quality/preset_grid.py --workdir DIR [--seeds 0,1,2,3,4,5]
+       [--cells extract,relu_k0,...] [--summary-only] [--quick]
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _common
+from _common import add_output_options, log, machine_info, print_table, write_json  # noqa: E402
+from final_state_drop import FOLDABLE, PRESET_OWNED  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+TRAIN_BLOCKS = (0, 1, 2, "all")
+# cell name -> the surgery keys it writes over the demo's preset YAML
+CELLS: Dict[str, dict] = {"extract": {"steps": 0}}
+for _variant, _keys in (("relu", {}), ("foldable", FOLDABLE)):
+    for _k in TRAIN_BLOCKS:
+        CELLS[f"{_variant}_k{_k}"] = {**_keys, "train_blocks": _k}
+WITHIN_POINTS = 2.0  # issue 52: no domain's mean more than 2 points below the best
+ALPHA = 0.05
+
+
+def cell_yaml(workdir: str, paths, seed: int, sizes, keys: dict, cache_dir: str) -> str:
+    from mergekit_darts.demo.run import merge_yaml
+
+    config = yaml.safe_load(merge_yaml(workdir, paths, seed, sizes))
+    surgery = {key: value for key, value in config["surgery"].items() if key not in PRESET_OWNED}
+    surgery["cache_dir"] = cache_dir
+    if sizes.preset_steps is not None and "steps" not in keys:
+        surgery["steps"] = sizes.preset_steps
+    config["surgery"] = {"preset": "best", **keys, **surgery}
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def child_run(command: List[str]) -> Dict[str, float]:
+    """Wall and CPU seconds (user + system, every thread) of one child process run to the end."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    subprocess.run(command, check=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall": round(wall, 1), "cpu": round(cpu, 1)}
+
+
+def score(model, tokenizer, test, domains) -> Dict[str, float]:
+    from mergekit_darts.demo import tasks
+    from mergekit_darts.demo.evaluate import generate, score_completions
+
+    accuracy = {}
+    for domain in domains:
+        if hasattr(model, "set_darts_domain"):
+            model.set_darts_domain(domain)
+        prompts = [example["prompt"] for example in test[domain]]
+        completions = generate(model, tokenizer, prompts, tasks.MAX_NEW_TOKENS[domain])
+        solved = score_completions(domain, test[domain], completions)
+        accuracy[domain] = round(100.0 * sum(solved) / len(solved), 1)
+    return accuracy
+
+
+def run_seed(workdir: str, seed: int, cells: List[str], sizes, redo: bool = False) -> None:
+    from mergekit_darts.demo import tasks
+    from mergekit_darts.demo.family import build_family
+    from mergekit_darts.demo.run import make_data
+    from mergekit_darts.output.layout import read_json
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    seed_dir = os.path.abspath(os.path.join(workdir, f"seed{seed}"))
+    cells_dir = os.path.join(seed_dir, "cells")
+    os.makedirs(cells_dir, exist_ok=True)
+    todo = [name for name in cells if redo or not os.path.exists(os.path.join(cells_dir, f"{name}.json"))]
+    reference_path = os.path.join(seed_dir, "reference.json")
+    if not todo and os.path.exists(reference_path):
+        return
+    splits = make_data(seed_dir, seed, sizes)
+    paths = build_family(os.path.join(seed_dir, "family"), splits, tasks.vocabulary(splits.values()), seed=seed,
+                         spec=sizes.family, progress=False, log=log)
+    domains = list(tasks.DOMAINS)
+    test = {d: splits[d]["test"] for d in domains}
+    load = AutoModelForCausalLM.from_pretrained
+    tokenizer = AutoTokenizer.from_pretrained(paths["base"])
+    if not os.path.exists(reference_path):  # the experts and the plain merge: once a seed
+        reference = {"expert": {d: score(load(paths[d]).eval(), tokenizer, test, [d])[d] for d in domains}}
+        write_text(reference_path, json.dumps(reference, indent=1))
+    for name in todo:
+        out = os.path.join(seed_dir, f"out_{name}")
+        config_path = os.path.join(seed_dir, f"{name}.yml")
+        cache_dir = os.path.join(seed_dir, f"cache_{name}")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        write_text(config_path, cell_yaml(seed_dir, paths, seed, sizes, CELLS[name], cache_dir))
+        log(f"seed {seed} {name}: mergekit-yaml {config_path} {out}")
+        machine = machine_info()
+        seconds = child_run([os.path.join(BIN, "mergekit-yaml"), config_path, out])
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        report = read_json(os.path.join(out, "darts_report.json"))
+        repaired = load(out, trust_remote_code=True, darts_domain=domains[0]).eval()
+        result = {
+            "cell": name, "seed": seed, "keys": CELLS[name], "machine_before": machine,
+            "surgery": {key: report["surgery"].get(key) for key in (*PRESET_OWNED, "train_blocks")},
+            "accuracy": score(repaired, tokenizer, test, domains),
+            "gap_closed": {d: report["domains"][d]["held_out_kl"]["gap_closed"] for d in domains},
+            "extract_gap_closed": {d: report["domains"][d].get("baseline", {}).get("held_out_kl", {}).get("gap_closed")
+                                   for d in domains},
+            "selection": {d: report["domains"][d].get("selection") for d in domains},
+            "seconds": seconds,
+        }
+        reference = json.load(open(reference_path))
+        if "merged" not in reference:  # the plain merge: the same weights as any cell's, without remote code
+            reference["merged"] = score(load(out).eval(), tokenizer, test, domains)
+            write_text(reference_path, json.dumps(reference, indent=1))
+        write_text(os.path.join(cells_dir, f"{name}.json"), json.dumps(result, indent=1))
+        log(f"seed {seed} {name}: {result['accuracy']} gap {result['gap_closed']} {seconds}")
+
+
+def write_text(path: str, text: str) -> None:
+    """Written whole or not at all: a killed run leaves no half cell for the resume to trust."""
+    with open(path + ".tmp", "w") as handle:
+        handle.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def summarize(workdir: str) -> dict:
+    from mergekit_darts.evaluation.compare import summarize_groups
+
+    seeds = sorted(int(name[4:]) for name in os.listdir(workdir) if name.startswith("seed") and name[4:].isdigit())
+    results: Dict[str, List[dict]] = {}
+    references = {}
+    for seed in seeds:
+        cells_dir = os.path.join(workdir, f"seed{seed}", "cells")
+        reference_path = os.path.join(workdir, f"seed{seed}", "reference.json")
+        if os.path.exists(reference_path):
+            references[seed] = json.load(open(reference_path))
+        for name in CELLS:
+            path = os.path.join(cells_dir, f"{name}.json")
+            if os.path.exists(path):
+                results.setdefault(name, []).append(json.load(open(path)))
+    if not results:
+        raise SystemExit(f"preset_grid: no cell results under {workdir}: run it without --summary-only first")
+    domains = list(next(iter(results.values()))[0]["accuracy"])
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return round(sum(values) / len(values), 4) if values else None
+
+    cells = {}
+    for name, runs in results.items():
+        cells[name] = {
+            "keys": CELLS[name], "seeds": [r["seed"] for r in runs],
+            "accuracy": {d: [r["accuracy"][d] for r in runs] for d in domains},
+            "mean_accuracy": {d: mean([r["accuracy"][d] for r in runs]) for d in domains},
+            "mean_gap_closed": {d: mean([r["gap_closed"][d] for r in runs]) for d in domains},
+            "mean_extract_gap_closed": {d: mean([r["extract_gap_closed"][d] for r in runs]) for d in domains},
+            "mean_seconds": {clock: mean([r["seconds"][clock] for r in runs]) for clock in ("wall", "cpu")},
+        }
+    trained = [name for name in cells if name != "extract"]
+    best = {d: max(trained, key=lambda n: cells[n]["mean_accuracy"][d]) for d in domains}
+    for name in trained:
+        within = {}
+        for d in domains:
+            test = summarize_groups({name: cells[name]["accuracy"][d], best[d]: cells[best[d]]["accuracy"][d]})
+            pair = test["mann_whitney"].get(f"{name} vs {best[d]}") if name != best[d] else None
+            p = 1.0 if name == best[d] else (pair or {}).get("p")
+            drop = cells[best[d]]["mean_accuracy"][d] - cells[name]["mean_accuracy"][d]
+            within[d] = {"best": best[d], "p": p, "points_below_best": round(drop, 2),
+                         "within_noise": p is not None and p > ALPHA and drop <= WITHIN_POINTS}
+        cells[name]["vs_best"] = within
+        cells[name]["qualifies"] = all(entry["within_noise"] for entry in within.values())
+    qualifying = sorted((n for n in trained if cells[n]["qualifies"]), key=lambda n: cells[n]["mean_seconds"]["cpu"])
+    shipped = "relu_kall"
+    return {
+        "machine": machine_info(), "seeds": seeds, "domains": domains,
+        "rule": f"cheapest cell (mean CPU s) with every domain within noise of its best cell: two-sided "
+                f"Mann-Whitney p > {ALPHA} and a mean at most {WITHIN_POINTS} points lower",
+        "reference": {seed: references[seed] for seed in sorted(references)},
+        "cells": cells, "best_per_domain": best, "qualifying_by_cpu": qualifying,
+        "chosen": qualifying[0] if qualifying else None,
+        "cpu_ratio_to_shipped": ({n: round(cells[n]["mean_seconds"]["cpu"] / cells[shipped]["mean_seconds"]["cpu"], 3)
+                                  for n in cells} if shipped in cells else None),
+    }
+
+
+def main():
+    from mergekit_darts.demo.run import DemoSizes
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True, help="one folder per seed under it; resumable")
+    parser.add_argument("--seeds", default="0,1,2,3,4,5")
+    parser.add_argument("--cells", default=",".join(CELLS), help=f"of: {', '.join(CELLS)}")
+    parser.add_argument("--redo", action="store_true", help="run the named cells again where they have a result")
+    parser.add_argument("--summary-only", action="store_true", help="summarize what WORKDIR holds; run nothing")
+    parser.add_argument("--quick", action="store_true", help="the test demo's tiny family and 3 steps (a smoke run)")
+    add_output_options(parser)
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cells = [c for c in args.cells.split(",") if c]
+    unknown = [c for c in cells if c not in CELLS]
+    if unknown:
+        raise SystemExit(f"preset_grid: --cells: unknown {', '.join(unknown)}; choose from {', '.join(CELLS)}")
+    sizes = dataclasses.replace(DemoSizes.quick(), test=10, preset_steps=3) if args.quick else DemoSizes()
+    if not args.summary_only:
+        for seed in (int(s) for s in args.seeds.split(",") if s):
+            run_seed(args.workdir, seed, cells, sizes, args.redo)
+    data = summarize(args.workdir)
+    rows = []
+    for name, cell in data["cells"].items():
+        rows.append([name, *(f"{cell['mean_accuracy'][d]:.1f}" for d in data["domains"]),
+                     *(f"{cell['mean_gap_closed'][d]:.3f}" for d in data["domains"]),
+                     cell["mean_seconds"]["wall"], cell["mean_seconds"]["cpu"], len(cell["seeds"]),
+                     "yes" if cell.get("qualifies") else ("-" if name == "extract" else "no")])
+    print_table(f"preset grid (seeds {data['seeds']}; chosen: {data['chosen']})",
+                ["cell", *data["domains"], *(f"gap {d}" for d in data["domains"]), "wall s", "cpu s", "seeds",
+                 "within noise"], rows)
+    path = write_json("preset_grid", data, args.out, args.overwrite)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
