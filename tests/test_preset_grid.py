@@ -1,0 +1,79 @@
+"""benchmarks/demo_quality/preset_grid.py: the choice rule of issue 52 (the cheapest cell whose every domain is
+within noise of that domain's best: Mann-Whitney p > 0.05 and at most 2 points lower) on cell results written
+by hand, and the cells' YAML (the preset with the cell's keys; the demo's keys the preset owns left out)."""
+
+import json
+import os
+import sys
+
+import pytest
+import yaml
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                                "demo_quality"))
+
+import preset_grid  # noqa: E402
+
+DOMAINS = ("math", "code")
+
+
+def write_cell(workdir, seed, name, math, code, cpu):
+    cells = os.path.join(workdir, f"seed{seed}", "cells")
+    os.makedirs(cells, exist_ok=True)
+    result = {"cell": name, "seed": seed, "accuracy": {"math": math, "code": code},
+              "gap_closed": {"math": 0.5, "code": 0.5}, "extract_gap_closed": {"math": 0.4, "code": 0.4},
+              "seconds": {"wall": cpu, "cpu": cpu}}
+    with open(os.path.join(cells, f"{name}.json"), "w") as handle:
+        json.dump(result, handle)
+
+
+def test_cheapest_cell_within_noise_is_chosen(tmp_path):
+    workdir = str(tmp_path)
+    for seed in range(6):
+        write_cell(workdir, seed, "relu_kall", 40 + seed, 90, cpu=300)
+        # one point lower on math, same code: within noise, and the cheapest trained cell
+        write_cell(workdir, seed, "foldable_k0", 39 + seed, 90, cpu=60)
+        # cheaper still would not matter: far below on math (p < 0.05 over six seeds each side)
+        write_cell(workdir, seed, "relu_k0", 10 + seed, 90, cpu=50)
+        # as good on math but 3 points lower on code: rejected
+        write_cell(workdir, seed, "foldable_k1", 40 + seed, 87, cpu=100)
+        # noisy math: not told apart by Mann-Whitney, but its mean is more than 2 points lower
+        write_cell(workdir, seed, "relu_k1", (30, 50, 35, 55, 40, 20)[seed], 90, cpu=40)
+        write_cell(workdir, seed, "extract", 5, 80, cpu=10)
+    data = preset_grid.summarize(workdir)
+    cells = data["cells"]
+    assert data["seeds"] == list(range(6))
+    assert data["best_per_domain"]["math"] in ("relu_kall", "foldable_k1")
+    assert cells["relu_k0"]["qualifies"] is False
+    assert cells["relu_k0"]["vs_best"]["math"]["p"] < 0.05
+    assert cells["foldable_k1"]["vs_best"]["code"]["points_below_best"] == 3.0
+    assert cells["foldable_k1"]["qualifies"] is False
+    assert cells["relu_k1"]["vs_best"]["math"]["p"] > 0.05
+    assert cells["relu_k1"]["vs_best"]["math"]["points_below_best"] > 2
+    assert cells["relu_k1"]["qualifies"] is False
+    assert cells["foldable_k0"]["qualifies"] is True
+    assert "qualifies" not in cells["extract"]  # the untrained extract stands beside, never chosen
+    assert data["chosen"] == "foldable_k0"
+    assert data["qualifying_by_cpu"] == ["foldable_k0", "relu_kall"]
+    assert data["cpu_ratio_to_shipped"]["foldable_k0"] == pytest.approx(0.2)
+
+
+def test_no_results_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no cell results"):
+        preset_grid.summarize(str(tmp_path))
+
+
+def test_cell_yaml_keeps_the_cell_keys_over_the_demo(tmp_path):
+    from mergekit_darts.demo.run import DemoSizes
+
+    paths = {"base": "/b", "math": "/m", "code": "/c", "instruct": "/i"}
+    text = preset_grid.cell_yaml(str(tmp_path), paths, 3, DemoSizes(), preset_grid.CELLS["foldable_k1"],
+                                 str(tmp_path / "cache"))
+    surgery = yaml.safe_load(text)["surgery"]
+    assert surgery["preset"] == "best"
+    assert (surgery["content"], surgery["method"], surgery["train_blocks"]) == ("linear", "standard", 1)
+    assert surgery["cache_dir"] == str(tmp_path / "cache") and surgery["seed"] == 3
+    # the demo's paper keys would win over the preset's: none is written
+    assert not {"rank", "steps", "lr", "loss"} & set(surgery)
+    assert yaml.safe_load(preset_grid.cell_yaml(str(tmp_path), paths, 0, DemoSizes(), preset_grid.CELLS["extract"],
+                                                "c"))["surgery"]["steps"] == 0
