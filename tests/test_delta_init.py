@@ -449,3 +449,33 @@ def test_export_gguf_pads_every_lora_to_one_rank_for_llama_cpp(extract_output, t
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
         logits.append(logits_of(PeftModel.from_pretrained(base, str(folder)).eval(), ids))
     assert_same_logits(logits[1], logits[0])
+
+
+def test_export_peft_uniform_rank_flag(extract_output, tmp_path):
+    """``export-peft --uniform-rank`` writes the padded adapter (one r, one lora_alpha: what llama.cpp's
+    converter reads) with the same PEFT logits as the default export, which says why it has two ranks."""
+    import json
+
+    from click.testing import CliRunner
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_same_logits, logits_of
+    from mergekit_darts.cli import main
+
+    out, _ = extract_output
+    plain = CliRunner().invoke(main, ["export-peft", out, str(tmp_path / "plain")], catch_exceptions=False)
+    assert plain.exit_code == 0, plain.output
+    assert "rank_pattern/alpha_pattern" in plain.output and "--uniform-rank" in plain.output
+    padded = CliRunner().invoke(main, ["export-peft", out, str(tmp_path / "padded"), "--uniform-rank"],
+                                catch_exceptions=False)
+    assert padded.exit_code == 0, padded.output
+    assert "padded with zeros to rank" in padded.output and "rank_pattern/alpha_pattern" not in padded.output
+    config = json.loads((tmp_path / "padded" / "math" / "adapter_config.json").read_text())
+    assert config["r"] == config["lora_alpha"] and not config["rank_pattern"] and not config["alpha_pattern"]
+    ids = torch.randint(4, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for folder in ("plain", "padded"):
+        base = AutoModelForCausalLM.from_pretrained(str(tmp_path / folder / "base-model"), dtype=torch.float32).eval()
+        logits.append(logits_of(PeftModel.from_pretrained(base, str(tmp_path / folder / "math")).eval(), ids))
+    assert_same_logits(logits[1], logits[0])

