@@ -1,6 +1,6 @@
-"""benchmarks/demo_quality/preset_grid.py: the choice rule of issue 52 (the cheapest cell whose every domain is
-within noise of that domain's best: Mann-Whitney p > 0.05 and at most 2 points lower) on cell results written
-by hand, and the cells' YAML (the preset with the cell's keys; the demo's keys the preset owns left out)."""
+"""benchmarks/demo_quality/preset_grid.py: the choice rule of issue 52 (a cell qualifies when every domain is
+within noise of that domain's best: Mann-Whitney p > 0.05 and at most 2 points lower; the cheapest qualifying
+foldable cell is chosen, else the cheapest qualifying one) on cell results written by hand, and the cells' YAML (the preset with the cell's keys; the demo's keys the preset owns left out)."""
 
 import json
 import os
@@ -56,6 +56,17 @@ def test_cheapest_cell_within_noise_is_chosen(tmp_path):
     assert data["chosen"] == "foldable_k0"
     assert data["qualifying_by_cpu"] == ["foldable_k0", "relu_kall"]
     assert data["cpu_ratio_to_shipped"]["foldable_k0"] == pytest.approx(0.2)
+
+
+def test_a_qualifying_foldable_cell_wins_over_a_cheaper_relu_one(tmp_path):
+    workdir = str(tmp_path)
+    for seed in range(6):
+        write_cell(workdir, seed, "relu_kall", 40 + seed, 90, cpu=300)
+        write_cell(workdir, seed, "relu_k2", 40 + seed, 90, cpu=100)
+        write_cell(workdir, seed, "foldable_kall", 40 + seed, 90, cpu=310)
+    data = preset_grid.summarize(workdir)
+    assert data["qualifying_by_cpu"] == ["relu_k2", "relu_kall", "foldable_kall"]
+    assert data["chosen"] == "foldable_kall"
 
 
 def test_no_results_is_a_clear_error(tmp_path):
