@@ -215,6 +215,28 @@ def summarize(workdir: str) -> dict:
     }
 
 
+def markdown(data: dict) -> str:
+    """The grid as a markdown table (docs/quality.md): per cell the mean score per domain (p against the
+    domain's best cell), the mean held-out gap closed (the same runs' untrained extract beside it), seconds."""
+    domains = data["domains"]
+    head = ("| cell | " + " | ".join(domains) + " | held-out gap closed (its extract) | CPU s | wall s | "
+            "within noise |")
+    lines = [head, "|" + "---|" * (len(domains) + 5)]
+    for name, cell in data["cells"].items():
+        scores = []
+        for d in domains:
+            vs = cell.get("vs_best", {}).get(d)
+            note = "" if vs is None else (" (best)" if vs["best"] == name else f" (p {vs['p']:.2f})")
+            scores.append(f"{cell['mean_accuracy'][d]:.1f}{note}")
+        gap = sum(cell["mean_gap_closed"][d] for d in domains) / len(domains)
+        extract = [cell["mean_extract_gap_closed"][d] for d in domains]
+        extract_text = f"{sum(extract) / len(extract):.3f}" if None not in extract else "-"
+        qualifies = "-" if name == "extract" else ("**yes**" if cell["qualifies"] else "no")
+        lines.append(f"| {name} | " + " | ".join(scores) + f" | {gap:.3f} ({extract_text}) | "
+                     f"{cell['mean_seconds']['cpu']:.0f} | {cell['mean_seconds']['wall']:.0f} | {qualifies} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     from mergekit_darts.demo.run import DemoSizes
 
@@ -246,6 +268,7 @@ def main():
     print_table(f"preset grid (seeds {data['seeds']}; chosen: {data['chosen']})",
                 ["cell", *data["domains"], *(f"gap {d}" for d in data["domains"]), "wall s", "cpu s", "seeds",
                  "within noise"], rows)
+    print("\n" + markdown(data))
     path = write_json("preset_grid", data, args.out, args.overwrite)
     log(f"wrote {path}")
 
