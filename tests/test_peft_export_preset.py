@@ -1,7 +1,9 @@
-"""`preset: best` leaves transformers (issue 46 item 4): its block adapters (and head correction) export as a
-standard PEFT LoRA and bake into the linears, exactly; the final-state correction (ReLU content, position
-table), which has no weight form, is dropped only with `--drop-final-state-correction`, and the command,
-the adapter's README and the baked card say so."""
+"""`preset: best` leaves transformers whole (issue 52): its linear final-state correction folds into lm_head, its
+block adapters into their linears, no flag. The ReLU recipe it had before (`content: relu`, `method: darts`,
+still a setting) leaves transformers as in issue 46 item 4: its block adapters (and head correction) export
+as a standard PEFT LoRA and bake into the linears, exactly; the final-state correction (ReLU content,
+position table), which has no weight form, is dropped only with `--drop-final-state-correction`, and the
+command, the adapter's README and the baked card say so."""
 
 import json
 import shutil
@@ -18,6 +20,7 @@ from mergekit_darts.cli import main
 
 FLAG = "--drop-final-state-correction"
 # the preset's rank 64 does not fit the tiny model's hidden size 32: ranks written explicitly
+RELU = "  content: relu\n  method: darts\n"  # the final-state correction preset: best had before 2026-12-06
 PRESET = ("surgery:\n  preset: best\n  rank: 2\n  depth_rank: 2\n  max_positions: 16\n  steps: {steps}\n"
           "  lr: 0.01\n  device: cpu\n  held_out: 0.34\n  cache_dir: {cache}\n{extra}  domains:\n")
 
@@ -28,17 +31,46 @@ def _config(family, cache, steps, extra=""):
     return merge_yaml(family) + PRESET.format(steps=steps, cache=cache, extra=extra) + domains
 
 
-@pytest.fixture(scope="module")
-def preset_output(tiny_family, tmp_path_factory):
-    """The unchanged ``mergekit-yaml`` with ``preset: best`` (ReLU content, position table, every block,
-    adapters from the weight deltas), trained a few steps: the output directory."""
-    root = tmp_path_factory.mktemp("preset_best")
+def _mergekit_yaml(family, root, extra):
     config = root / "cfg.yml"
-    config.write_text(_config(tiny_family, root / "cache", steps=5))
+    config.write_text(_config(family, root / "cache", steps=5, extra=extra))
     result = subprocess.run([str(Path(sys.executable).parent / "mergekit-yaml"), str(config), str(root / "out")],
                             cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "out"
+
+
+@pytest.fixture(scope="module")
+def preset_output(tiny_family, tmp_path_factory):
+    """The unchanged ``mergekit-yaml`` with ``preset: best`` and the ReLU final-state correction (ReLU content,
+    position table; every block, adapters from the weight deltas), trained a few steps: the output directory."""
+    return _mergekit_yaml(tiny_family, tmp_path_factory.mktemp("preset_relu"), RELU)
+
+
+def test_preset_best_folds_whole_without_a_flag(tiny_family, tmp_path):
+    """``preset: best`` as shipped: ``export-peft`` and ``bake`` need no flag, drop nothing, and PEFT on the
+    plain base and the baked model give the remote-code model's logits (the final-state correction included)."""
+    from peft import PeftModel
+
+    out = _mergekit_yaml(tiny_family, tmp_path, "")
+    surgery = json.loads((out / "darts_report.json").read_text())["surgery"]
+    assert (surgery["content"], surgery["method"], surgery["preset"]) == ("linear", "standard", "best")
+    exported = CliRunner().invoke(main, ["export-peft", str(out), str(tmp_path / "adapters")])
+    baked = CliRunner().invoke(main, ["bake", str(out), str(tmp_path / "baked"), "--domain", "math"])
+    for result in (exported, baked):
+        assert result.exit_code == 0, result.output
+        assert "DROPPED" not in result.output
+    base = _plain(tmp_path / "adapters" / "base-model")
+    ids = _ids(base.config.vocab_size)
+    plain_logits = logits_of(base, ids)
+    for domain in ("math", "code"):
+        expected = logits_of(_remote(out, domain), ids)
+        # the final-state correction was trained and is part of what folds: switching it off changes the logits
+        assert not torch.allclose(expected, logits_of(_remote(out, domain, final_state=False), ids), atol=1e-4)
+        adapter = PeftModel.from_pretrained(_plain(tmp_path / "adapters" / "base-model"), str(tmp_path / "adapters" / domain))
+        assert_same_logits(logits_of(adapter, ids), expected)
+    assert_same_logits(logits_of(_plain(tmp_path / "baked"), ids), logits_of(_remote(out, "math"), ids))
+    assert not torch.allclose(plain_logits, logits_of(_remote(out, "math"), ids), atol=1e-3)
 
 
 def _remote(out, domain, final_state=True):
@@ -143,7 +175,7 @@ def test_untrained_preset_with_a_head_correction_exports_exactly(tiny_family, tm
 
     out = tmp_path / "out"
     shutil.copytree(tiny_family["merged"], out)
-    report = run_surgery(_config(tiny_family, tmp_path / "cache", steps=0, extra="  head_rank: 2\n"), str(out))
+    report = run_surgery(_config(tiny_family, tmp_path / "cache", steps=0, extra=RELU + "  head_rank: 2\n"), str(out))
     kl = report["domains"]["math"]["held_out_kl"]
     assert kl["after_without_final_state"] == pytest.approx(kl["after"], rel=1e-5)
     summary = export_peft(str(out), str(tmp_path / "adapters"), drop_final_state=True)
