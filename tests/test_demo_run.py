@@ -181,6 +181,7 @@ def test_results_md_says_what_the_readme_says_and_which_kernels_ran():
     same = markdown_table(result("AVX2", [42.0, 100.0, 60.0]), domains)
     assert "trained with torch's AVX2 CPU kernels" in same and "this is that family" in same
     assert AVX2_ENV not in same
+    assert "measured with the ReLU final-state correction the preset had until 2026-12-06" in same
     assert ("preset: best (50 prompts per domain): 25.8 / 100 / 54.3 (seed 0: 33 / 100 / 57); "
             "this run (seed 0): 33 / 100 / 57; preset: best + 450: 38.7 / 100 / 57.8 (seed 0: 39 / 100 / 58); "
             "not run here (`mergekit-darts demo --all-rows` runs it)") in same

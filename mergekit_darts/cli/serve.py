@@ -11,7 +11,7 @@ import click
 DROP_HELP = ("Fold a method: darts correction without its per-position bias table (it cannot be folded); "
              "prints the held-out KL to the expert with and without the table.")
 DROP_FINAL_HELP = ("Export without the final-state correction (its ReLU content and position table have no weight "
-                   "form; preset: best): only the block adapters and the head correction, exactly. Prints what is "
+                   "form; content: relu, preset: best before 2026-12-06): only the block adapters and the head correction, exactly. Prints what is "
                    "dropped and, when training measured it, the held-out KL to the expert with and without it.")
 
 DROP_BIAS_HELP = ("Export the block adapters without their biases (Qwen2-style q/k/v: vLLM and llama.cpp take no LoRA "
@@ -95,7 +95,7 @@ def export_peft_command(out_path: str, dest: str, domains, drop_position_bias: b
 
     \b
     OUT_PATH  a repaired directory (left unchanged) trained with `content: linear`, or any one with
-              block adapters or a head correction (preset: best) with --drop-final-state-correction
+              block adapters or a head correction and content: relu with --drop-final-state-correction
     DEST      a new directory; load with PeftModel.from_pretrained(base, "DEST/<domain>"), where
               base = AutoModelForCausalLM.from_pretrained("DEST/base-model"), or with
               AutoPeftModelForCausalLM.from_pretrained("DEST/<domain>")

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 from mergekit_darts.remote_code.surgery import SurgeryShape
 
-SERVING_DOC = "docs/serving.md#dropping-the-final-state-correction-preset-best"
+SERVING_DOC = "docs/serving.md#dropping-the-final-state-correction-content-relu"
 
 
 def final_state_description(shape: SurgeryShape, hidden_size: int) -> str:

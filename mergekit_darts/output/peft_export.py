@@ -26,8 +26,8 @@ target, so every other target gets a zero ``lora_B.bias``; PEFT's forward is the
 ``merge_and_unload`` refuses targets whose base layer has no bias (o_proj, the MLP, ``lm_head``):
 ``mergekit-darts bake`` is the merge of such an output.
 
-``preset: best`` (ReLU content, position table, every block) has a final-state correction with no
-weight form: ``drop_final_state`` (``--drop-final-state-correction``) exports the rest — the block
+A ReLU final-state correction (``content: relu``, with a position table under ``method: darts``; ``preset:
+best``'s before 2026-12-06, whose own is linear now and folds into ``lm_head``) has no weight form: ``drop_final_state`` (``--drop-final-state-correction``) exports the rest — the block
 adapters and ``H_u·H_d`` on ``lm_head`` (B = H_u, A = H_d; no ``lm_head`` target at head_rank 0) — and
 each adapter's README.md says what was dropped (``output/dropped.py``).
 """
