@@ -12,7 +12,8 @@ from typing import Dict, List, Tuple
 SHAPE_7B = {"hidden_size": 4096, "vocab_size": 32000, "layers": 32, "intermediate_size": 11008}
 BUDGET_SHARE = 1e-3
 # What a preset may add per domain: a rank-8 LoRA on every linear of the 7B shape with the rank-64
-# content correction and position table beside it (0.3355 %), a common per-task size in multi-LoRA serving
+# content correction and position table beside it (0.3355 %; preset: best has no table since 2026-12-06:
+# 0.3044 %), a common per-task size in multi-LoRA serving
 PRESET_SHARE = 3.4e-3
 
 
