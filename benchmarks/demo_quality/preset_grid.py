@@ -226,7 +226,7 @@ def markdown(data: dict) -> str:
         scores = []
         for d in domains:
             vs = cell.get("vs_best", {}).get(d)
-            note = "" if vs is None else (" (best)" if vs["best"] == name else f" (p {vs['p']:.2f})")
+            note = "" if vs is None else (" (best)" if vs["best"] == name else f" (p {vs['p']:.2g})")
             scores.append(f"{cell['mean_accuracy'][d]:.1f}{note}")
         gap = sum(cell["mean_gap_closed"][d] for d in domains) / len(domains)
         extract = [cell["mean_extract_gap_closed"][d] for d in domains]
