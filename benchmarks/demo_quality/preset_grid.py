@@ -21,7 +21,7 @@ foldable cell (mean CPU seconds) when one qualifies — a foldable preset leaves
 the cheapest qualifying cell.
 
 Usage: python benchmarks/demo_quality/preset_grid.py --workdir DIR [--seeds 0,1,2,3,4,5]
-       [--cells extract,relu_k0,...] [--summary-only] [--quick]
+       [--cells extract,relu_k0,...] [--summary-only] [--quick] [--pauses-log FILE]
 """
 
 import argparse
@@ -226,7 +226,7 @@ def markdown(data: dict) -> str:
         scores = []
         for d in domains:
             vs = cell.get("vs_best", {}).get(d)
-            note = "" if vs is None else (" (best)" if vs["best"] == name else f" (p {vs['p']:.2f})")
+            note = "" if vs is None else (" (best)" if vs["best"] == name else f" (p {vs['p']:.2g})")
             scores.append(f"{cell['mean_accuracy'][d]:.1f}{note}")
         gap = sum(cell["mean_gap_closed"][d] for d in domains) / len(domains)
         extract = [cell["mean_extract_gap_closed"][d] for d in domains]
@@ -247,6 +247,8 @@ def main():
     parser.add_argument("--redo", action="store_true", help="run the named cells again where they have a result")
     parser.add_argument("--summary-only", action="store_true", help="summarize what WORKDIR holds; run nothing")
     parser.add_argument("--quick", action="store_true", help="the test demo's tiny family and 3 steps (a smoke run)")
+    parser.add_argument("--pauses-log", default=None, help="a log of the times the grid was stopped (SIGSTOP) while "
+                        "something else ran, one line each: copied into the summary (wall seconds include them)")
     add_output_options(parser)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -259,6 +261,9 @@ def main():
         for seed in (int(s) for s in args.seeds.split(",") if s):
             run_seed(args.workdir, seed, cells, sizes, args.redo)
     data = summarize(args.workdir)
+    if args.pauses_log:
+        with open(args.pauses_log) as handle:
+            data["pauses"] = [line.rstrip("\n") for line in handle if line.strip()]
     rows = []
     for name, cell in data["cells"].items():
         rows.append([name, *(f"{cell['mean_accuracy'][d]:.1f}" for d in data["domains"]),
