@@ -190,9 +190,11 @@ def summarize(workdir: str) -> dict:
     for name in trained:
         within = {}
         for d in domains:
-            test = summarize_groups({name: cells[name]["accuracy"][d], best[d]: cells[best[d]]["accuracy"][d]})
-            pair = test["mann_whitney"].get(f"{name} vs {best[d]}") if name != best[d] else None
-            p = 1.0 if name == best[d] else (pair or {}).get("p")
+            if name == best[d]:
+                p = 1.0
+            else:
+                test = summarize_groups({name: cells[name]["accuracy"][d], best[d]: cells[best[d]]["accuracy"][d]})
+                p = (test["mann_whitney"].get(f"{name} vs {best[d]}") or {}).get("p")
             drop = cells[best[d]]["mean_accuracy"][d] - cells[name]["mean_accuracy"][d]
             within[d] = {"best": best[d], "p": p, "points_below_best": round(drop, 2),
                          "within_noise": p is not None and p > ALPHA and drop <= WITHIN_POINTS}

@@ -232,8 +232,7 @@ def check_output(out, work, converters, domains):
         if f"{domain}_as_exported" in ggufs:  # the rank_pattern adapter as exported, which llama.cpp misreads
             record["llama_cpp"][f"base_lora_{domain}_rank_pattern_as_exported_vs_remote_{domain}"] = compare(
                 llama_outputs(ggufs["base"], prompts_ids, lora=ggufs[f"{domain}_as_exported"]), reference[domain])
-        record["lora_padded_to_one_rank"] = record.get("lora_padded_to_one_rank", []) + (
-            [domain] if f"{domain}_as_exported" in ggufs else [])
+    record["lora_padded_to_one_rank"] = [d for d in domains if f"{d}_as_exported" in ggufs]
     record["llama_cpp_internal"] = {
         # both in llama.cpp: the adapter path against the baked path, the same arithmetic on both sides
         f"base_lora_{first}_vs_baked_{first}": compare(outputs[first], outputs["baked"]),
