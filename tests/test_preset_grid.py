@@ -88,3 +88,14 @@ def test_cell_yaml_keeps_the_cell_keys_over_the_demo(tmp_path):
     assert not {"rank", "steps", "lr", "loss"} & set(surgery)
     assert yaml.safe_load(preset_grid.cell_yaml(str(tmp_path), paths, 0, DemoSizes(), preset_grid.CELLS["extract"],
                                                 "c"))["surgery"]["steps"] == 0
+
+
+@pytest.mark.parametrize("cell,content,method", [("relu_kall", "relu", "darts"), ("relu_k0", "relu", "darts"),
+                                                 ("foldable_kall", "linear", "standard")])
+def test_cells_name_their_final_state_correction(cell, content, method):
+    """The preset's own correction changed (ReLU -> linear): a rerun of a relu cell must still train ReLU."""
+    from mergekit_darts.config import parse_surgery_block
+
+    surgery = parse_surgery_block({"preset": "best", **preset_grid.CELLS[cell],
+                                   "domains": {"math": {"model": "m", "calibration": {"texts": ["a"]}}}})
+    assert (surgery.content, surgery.method) == (content, method)

@@ -1,7 +1,8 @@
 """What ``--drop-final-state-correction`` costs: ``preset: best`` on the demo family, with and without its
 final-state correction (docs/serving.md, "Dropping the final-state correction").
 
-``preset: best`` trains block adapters in every block *and* a final-state correction (ReLU content of
+``preset: best`` as it was until 2026-12-06 (``RELU``, written into the YAML: the preset's own correction
+is linear since) trains block adapters in every block *and* a final-state correction (ReLU content of
 rank 64 plus a position table). Only the block adapters are LoRAs; ``bake`` / ``export-peft`` with
 ``--drop-final-state-correction`` serve them alone (exactly: tests/test_peft_export_preset.py). This
 script measures what the dropped part was worth on the demo's family (``mergekit_darts.demo``: the same
@@ -51,6 +52,9 @@ PRESET_OWNED = ("method", "loss", "rank", "steps", "lr", "head_rank", "content",
 # the preset trained without the parts that have no weight form (issue 52): a linear final-state correction
 # (it folds into the LM head) and no position table; everything else is the preset's
 FOLDABLE = {"content": "linear", "method": "standard"}
+# the final-state correction preset: best had until 2026-12-06 (ReLU content + position table), written
+# explicitly now that the preset's own is FOLDABLE
+RELU = {"content": "relu", "method": "darts"}
 
 
 def preset_yaml(workdir, paths, seed, sizes, foldable=False):
@@ -58,7 +62,7 @@ def preset_yaml(workdir, paths, seed, sizes, foldable=False):
 
     config = yaml.safe_load(merge_yaml(workdir, paths, seed, sizes))
     surgery = {key: value for key, value in config["surgery"].items() if key not in PRESET_OWNED}
-    config["surgery"] = {"preset": "best", **(FOLDABLE if foldable else {}), **surgery}
+    config["surgery"] = {"preset": "best", **(FOLDABLE if foldable else RELU), **surgery}
     return yaml.safe_dump(config, sort_keys=False)
 
 

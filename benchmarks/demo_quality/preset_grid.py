@@ -39,13 +39,13 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _common
 from _common import add_output_options, log, machine_info, print_table, write_json  # noqa: E402
-from final_state_drop import FOLDABLE, PRESET_OWNED  # noqa: E402
+from final_state_drop import FOLDABLE, PRESET_OWNED, RELU  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 TRAIN_BLOCKS = (0, 1, 2, "all")
 # cell name -> the surgery keys it writes over the demo's preset YAML
 CELLS: Dict[str, dict] = {"extract": {"steps": 0}}
-for _variant, _keys in (("relu", {}), ("foldable", FOLDABLE)):
+for _variant, _keys in (("relu", RELU), ("foldable", FOLDABLE)):
     for _k in TRAIN_BLOCKS:
         CELLS[f"{_variant}_k{_k}"] = {**_keys, "train_blocks": _k}
 WITHIN_POINTS = 2.0  # issue 52: no domain's mean more than 2 points below the best
