@@ -54,10 +54,16 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
     # what 2 cores allow of it: the KL through the 49k head on 256 sampled positions a step, 100 steps
     "preset_top0_fast": ("preset: best, train_blocks: 0, 100 steps, KL on 256 positions a step",
                          {**PRESET, "train_blocks": 0, "steps": 100, "kl_positions_per_step": KL_POSITIONS}, {}),
+    # the same with the final-state correction preset: best had until 2026-12-06 (ReLU content + position
+    # table, no weight form); measured under the name preset_top0_fast before the preset became foldable
+    "preset_relu_top0_fast": ("preset: best with its ReLU final-state correction before 2026-12-06, train_blocks: 0, "
+                              "100 steps, KL on 256 positions a step",
+                              {**PRESET, "content": "relu", "method": "darts", "train_blocks": 0, "steps": 100,
+                               "kl_positions_per_step": KL_POSITIONS}, {}),
     "preset_synth": ("preset: best + 450 prompts the base writes", PRESET, {"synthesize": 450}),
 }
 BEST_MERGE_ROWS = tuple(REPAIRS)
-OTHER_MERGE_ROWS = ("darts_ewl1", "extract_r8", "preset")
+OTHER_MERGE_ROWS = ("darts_ewl1", "extract_r8", "preset_top0_fast", "preset")
 SEEDED_ROWS = ("standard_l1", "darts_ewl1", "preset")  # six seeds: the paper's Table 4 pair and the preset
 
 
