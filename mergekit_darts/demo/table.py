@@ -5,13 +5,11 @@ import os
 from typing import Dict, List
 
 # The README's figures for the demo's `preset: best` rows (run.PRESET_ROWS), math / code / instruct:
-# (six-seed mean, seed 0's scores), the AVX2 kernels' family (docs/quality.md); tests/test_demo_run.py
-# checks that the README still says these.
-README_PRESET = {"preset_best": ("25.8 / 100 / 54.3", "33 / 100 / 57"),
-                 "preset_best_synth": ("38.7 / 100 / 57.8", "39 / 100 / 58")}
-# those figures' recipe: the preset's final-state correction is linear since 2026-12-06 (issue 52's grid)
-README_PRESET_RECIPE = ("measured with the ReLU final-state correction the preset had until 2026-12-06; the "
-                        "linear one it has now scored within noise of it over six seeds, docs/quality.md")
+# (six-seed mean, seed 0's scores, the recipe measured), the AVX2 kernels' family (docs/quality.md);
+# tests/test_demo_run.py checks that the README still says these.
+RELU_RECIPE = "measured with the ReLU final-state correction the preset had until 2026-12-06, at 500 fixed steps"
+README_PRESET = {"preset_best": ("25.3 / 100 / 54.7", "28 / 100 / 56", "the preset as it ships, early stopping"),
+                 "preset_best_synth": ("38.7 / 100 / 57.8", "39 / 100 / 58", RELU_RECIPE)}
 # The experts' scores in the README and docs/results.md: seed 0, default sizes, torch's AVX2 kernels.
 # The same seed and code train a different family with the AVX512 kernels (44 / 100 / 68 there).
 REFERENCE_EXPERTS = {"math": 42.0, "code": 100.0, "instruct": 60.0}
@@ -65,12 +63,12 @@ def preset_note(result: dict, domains: List[str]) -> List[str]:
     if not claims:
         return []
     parts = []
-    for key, (label, mean, seed_0) in claims.items():
+    for key, (label, mean, seed_0, *recipe) in claims.items():
         scored = (f"this run (seed {result['seed']}): {_scores(result['rows'][key], domains)}" if key in result["rows"]
                   else "not run here (`mergekit-darts demo --all-rows` runs it)")
-        parts.append(f"{label}: {mean} (seed 0: {seed_0}); {scored}")
+        parts.append(f"{label}: {mean} (seed 0: {seed_0}{''.join('; ' + r for r in recipe)}); {scored}")
     return ["The README's figures for `preset: best` on this demo (" + " / ".join(domains) + "; six-seed means, "
-            f"the {REFERENCE_KERNELS} kernels' family, {README_PRESET_RECIPE}): " + "; ".join(parts) + ". "
+            f"the {REFERENCE_KERNELS} kernels' family): " + "; ".join(parts) + ". "
             f"Its YAML: {os.path.basename(result['preset_config'])}; its output: "
             f"{os.path.basename(result['preset_output_dir'])}/."]
 
