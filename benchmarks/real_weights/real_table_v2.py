@@ -15,7 +15,7 @@ table_v2_seedN.json; issue 44 asks six seeds of ``SEEDED_ROWS``) at once and nev
 
 Usage: python benchmarks/real_weights/real_table_v2.py --workdir WORK --build   (from an empty folder: the family
          first, resuming each stage, then every declared row; on 2 idle cores the experts
-         took 67 min and a row 5-8 min, 17 min for preset_top0_fast: docs/results.md)
+         took 67 min and a row 5-8 min, 14-17 min for preset_top0_fast: docs/results.md)
        python benchmarks/real_weights/real_table_v2.py --workdir WORK [--rows all5_ta_0.5/darts_ewl1,...] [--seed N]
        python benchmarks/real_weights/real_table_v2.py --workdir WORK --plan   (the declared rows, done or to do)
        python benchmarks/real_weights/real_table_v2.py --workdir WORK --seeds-summary OUT.json   (the seeded rows'
