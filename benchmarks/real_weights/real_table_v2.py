@@ -56,6 +56,9 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
     # what 2 cores allow of it: the KL through the 49k head on 256 sampled positions a step, 100 steps
     "preset_top0_fast": ("preset: best, train_blocks: 0, 100 steps, KL on 256 positions a step",
                          {**PRESET, "train_blocks": 0, "steps": 100, "kl_positions_per_step": KL_POSITIONS}, {}),
+    # the same training two blocks (their rank-8 adapters, from the extract) besides: does train_blocks pay here?
+    "preset_top2_fast": ("preset: best, train_blocks: 2, 100 steps, KL on 256 positions a step",
+                         {**PRESET, "train_blocks": 2, "steps": 100, "kl_positions_per_step": KL_POSITIONS}, {}),
     # the same at the target size (<= 0.34 % of the model per domain): the rank-1 extract below
     "preset_r1_top0_fast": ("preset: best, depth_rank: 1, train_blocks: 0, 100 steps, KL on 256 positions a step",
                             {**PRESET, "depth_rank": 1, "train_blocks": 0, "steps": 100,
