@@ -76,6 +76,28 @@ def test_variants_group_tags_with_the_same_overrides_and_test_against_the_preset
     assert batch8["mean_gap_closed"] == {"math": 0.9} and batch8["mean_extract_gap_closed"] == {"math": 0.4}
 
 
+def test_a_variant_is_tested_against_the_preset_with_its_own_final_state_correction():
+    cost = _cost_module()
+    domain = {"steps_run": 500, "chosen_steps": 500, "refit_records": 40, "gap_closed": 0.9, "baseline_gap_closed": 0.4}
+
+    def run(overrides, content, math):
+        settings = {"content": content, "method": "darts" if content == "relu" else "standard"}
+        return {"overrides": overrides, "seeds": {str(s): {"domains": {"math": domain}, "scores": {"math": m},
+                                                           "preset_settings": settings}
+                                                  for s, m in enumerate(math)}}
+
+    # the ReLU-era preset scored high, the linear one low: a linear variant level with the linear preset
+    steps = {"relu": run({}, "relu", [40, 41, 42]), "linear": run({}, "linear", [10, 11, 12]),
+             "fewer": run({"kl_positions_per_step": 256}, "linear", [10, 11, 12]),
+             "old_variant": run({"steps": 150}, "relu", [10, 11, 12])}
+    variants = {v["tags"][0]: v for v in cost.variant_rows(steps, {"blocks": 2.6e10, "kl": 1.3e9})}
+    assert set(variants) == {"relu", "linear", "fewer", "old_variant"}  # two presets, not one of six seeds
+    assert variants["relu"]["is_preset"] and variants["linear"]["is_preset"]
+    assert variants["fewer"]["correction"] == {"content": "linear", "method": "standard"}
+    assert variants["fewer"]["p_vs_preset"]["math"] == 1.0  # against the linear preset: the same scores
+    assert variants["old_variant"]["p_vs_preset"]["math"] < 0.15  # against the ReLU one: all three below
+
+
 def test_the_micro_batch_memory_benchmark_runs_and_every_variant_takes_the_same_step(tmp_path):
     out = tmp_path / "micro.json"
     script = REPO / "benchmarks" / "speed_memory" / "bench_micro_batches.py"

@@ -105,10 +105,10 @@ def variant_rows(steps: dict, flops) -> List[dict]:
     compares with), and its mean task scores over the seeds it scored."""
     grouped: dict = {}
     for tag, run in steps.items():
-        key = json.dumps({**run["overrides"], **run.get("experiment", {})}, sort_keys=True)
+        key = json.dumps([run["overrides"], run.get("experiment", {}), run_correction(run)], sort_keys=True)
         grouped.setdefault(key, []).append((tag, run))
     variants = []
-    for overrides, runs in grouped.items():
+    for runs in grouped.values():
         minutes, scores, gaps, extract_gaps, seeds = [], {}, {}, {}, 0
         for _, run in runs:
             batch = run["overrides"].get("batch_size")
@@ -123,6 +123,7 @@ def variant_rows(steps: dict, flops) -> List[dict]:
                     scores.setdefault(domain, []).append(score)
         experiment = runs[0][1].get("experiment")
         variants.append({"tags": [tag for tag, _ in runs], "overrides": runs[0][1]["overrides"],
+                         "correction": run_correction(runs[0][1]),
                          "experiment": experiment, "is_preset": not runs[0][1]["overrides"] and not experiment,
                          "seeds": seeds,
                          "median_minutes": statistics.median(minutes), "max_minutes": max(minutes),
@@ -130,12 +131,22 @@ def variant_rows(steps: dict, flops) -> List[dict]:
                          "mean_scores": {k: round(statistics.mean(v), 1) for k, v in scores.items()},
                          "scores": scores, "mean_gap_closed": {k: round(statistics.mean(v), 3) for k, v in gaps.items()},
                          "mean_extract_gap_closed": {k: round(statistics.mean(v), 3) for k, v in extract_gaps.items()}})
-    shipped = next((v for v in variants if v["is_preset"]), None)
-    for variant in variants:  # two-sided Mann-Whitney U of each domain's per-seed scores against the preset's
+    # two-sided Mann-Whitney U of each domain's per-seed scores against the preset's with the same
+    # final-state correction (the preset's changed on 2026-12-06: a variant is read against its own era's)
+    presets = {json.dumps(v["correction"], sort_keys=True): v for v in variants if v["is_preset"]}
+    for variant in variants:
+        shipped = presets.get(json.dumps(variant["correction"], sort_keys=True))
         if shipped is not None and variant is not shipped:
             variant["p_vs_preset"] = {domain: mann_whitney(scores, shipped["scores"].get(domain, []))
                                       for domain, scores in variant["scores"].items()}
     return variants
+
+
+def run_correction(run: dict) -> dict:
+    """The final-state correction a run's preset trained (``content`` and ``method`` of its first seed's
+    ``preset_settings``; empty for runs that did not record them)."""
+    settings = next(iter(run["seeds"].values()), {}).get("preset_settings") or {}
+    return {key: settings[key] for key in ("content", "method") if key in settings}
 
 
 def mann_whitney(a: List[float], b: List[float]) -> Optional[float]:
@@ -192,7 +203,8 @@ def main() -> None:
     print_table("each variant of preset_steps.json: minutes per 7B domain (ESTIMATE) and demo task scores",
                 ["overrides", "seeds", "median min", "max min", f"runs <= {TARGET_MIN} min",
                  "held-out gap closed", "the extract's, same runs", "math / code / instruct", "p vs the preset"],
-                [["(the preset)" if v["is_preset"] else json.dumps({**v["overrides"], **(v["experiment"] or {})}),
+                [[("(the preset)" if v["is_preset"] else json.dumps({**v["overrides"], **(v["experiment"] or {})}))
+                  + (f" [{v['correction'].get('content')}]" if v["correction"] else ""),
                   v["seeds"], f"{v['median_minutes']:.1f}",
                   f"{v['max_minutes']:.1f}", f"{v['within_target']} of {v['domain_runs']}",
                   " / ".join(f"{g:.3f}" for g in v["mean_gap_closed"].values()),
