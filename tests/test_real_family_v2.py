@@ -273,3 +273,19 @@ def test_seed_summary_pairs_the_papers_rows_over_seed_tables(tmp_path):
     assert p == pytest.approx(2 / 35)  # 4 against 3, fully separated: the exact two-sided p
     text = real_table_v2.seed_markdown(summary)
     assert "| standard_l1 | 4 | 51.5 (50–53)" in text and "Mann–Whitney p" in text
+
+
+def test_seed_summary_of_a_three_expert_merge_reads_its_own_domains(tmp_path):
+    domains = real_family_v2.MERGES["three_linear"][0]
+    assert len(domains) < len(real_family_v2.DOMAINS)
+    for seed in range(3):
+        rows = {f"three_linear/{key}": {d: 10.0 * seed + i for i, d in enumerate(domains)}
+                for key in ("standard_l1", "darts_ewl1")}
+        (tmp_path / ("table_v2.json" if seed == 0 else f"table_v2_seed{seed}.json")).write_text(json.dumps({"rows": rows}))
+    summary = real_table_v2.seed_summary(str(tmp_path), "three_linear")
+    assert summary["domains"] == list(domains)
+    assert set(summary["rows"]["darts_ewl1"]["mean"]) == set(domains)
+    assert summary["rows"]["darts_ewl1"]["mean"][domains[1]] == 11.0
+    assert set(summary["mann_whitney"]["by_domain"]) == set(domains)
+    text = real_table_v2.seed_markdown(summary)
+    assert text.splitlines()[0] == "| row | seeds | " + " | ".join(domains) + " |"

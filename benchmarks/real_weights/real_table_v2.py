@@ -180,33 +180,34 @@ def seed_summary(workdir: str, merge: str) -> dict:
                                         and name.endswith(".json")):
             with open(os.path.join(workdir, name)) as handle:
                 tables[0 if name == "table_v2.json" else int(name[13:-5])] = json.load(handle)
-    rows = {}
+    rows, domains = {}, family.MERGES[merge][0] if merge in family.MERGES else family.DOMAINS
     for key in SEEDED_ROWS:
         runs = {seed: t["rows"][f"{merge}/{key}"] for seed, t in sorted(tables.items()) if f"{merge}/{key}" in t["rows"]}
         if runs:
-            rows[key] = {"seeds": list(runs), "scores": {d: [r[d] for r in runs.values()] for d in family.DOMAINS},
-                         "mean": {d: round(sum(r[d] for r in runs.values()) / len(runs), 2) for d in family.DOMAINS},
+            rows[key] = {"seeds": list(runs), "scores": {d: [r[d] for r in runs.values()] for d in domains},
+                         "mean": {d: round(sum(r[d] for r in runs.values()) / len(runs), 2) for d in domains},
                          "cpu_seconds": [tables[s].get("cpu_seconds", {}).get(f"{merge}/{key}") for s in runs]}
     pair = ("standard_l1", "darts_ewl1")
     mann_whitney = {}
     if all(key in rows for key in pair):
-        for d in family.DOMAINS:
+        for d in domains:
             test = summarize_groups({key: rows[key]["scores"][d] for key in pair})["mann_whitney"]
             mann_whitney[d] = test[f"{pair[0]} vs {pair[1]}"]
-    return {"merge": merge, "rows": rows, "mann_whitney": {"pair": list(pair), "by_domain": mann_whitney}}
+    return {"merge": merge, "domains": list(domains), "rows": rows, "mann_whitney": {"pair": list(pair), "by_domain": mann_whitney}}
 
 
 def seed_markdown(summary: dict) -> str:
     """The seeded rows as a table: mean (min–max) per domain, the seeds, and the pair's p per domain."""
-    lines = ["| row | seeds | " + " | ".join(family.DOMAINS) + " |", "|---|---|" + "---|" * len(family.DOMAINS)]
+    domains = summary.get("domains", family.DOMAINS)
+    lines = ["| row | seeds | " + " | ".join(domains) + " |", "|---|---|" + "---|" * len(domains)]
     for key, row in summary["rows"].items():
         cells = [f"{row['mean'][d]:.1f} ({min(row['scores'][d]):.0f}–{max(row['scores'][d]):.0f})"
-                 for d in family.DOMAINS]
+                 for d in domains]
         lines.append(f"| {key} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
     tests = summary["mann_whitney"]["by_domain"]
     if tests:
         lines.append("| Mann–Whitney p, " + " vs ".join(summary["mann_whitney"]["pair"]) + " | | "
-                     + " | ".join(f"{tests[d]['p']:.3g}" if tests[d] else "–" for d in family.DOMAINS) + " |")
+                     + " | ".join(f"{tests[d]['p']:.3g}" if tests[d] else "–" for d in domains) + " |")
     return "\n".join(lines) + "\n"
 
 
