@@ -59,7 +59,7 @@ def draw(found: List[dict], out: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7.5, 4.8))
+    figure, axes = plt.subplots(figsize=(10, 4.8))
     floor = min([min(p["size_percent"].values()) for p in found if max(p["size_percent"].values()) > 0] + [0.01]) / 3
     for index, point in enumerate(found):
         if not point["kept"]:  # every expert scored 0: no share to draw
@@ -86,7 +86,7 @@ def draw(found: List[dict], out: str, title: str) -> None:
     axes.set_xlabel("correction size per domain, % of the model's parameters (plain merge drawn at the left edge)")
     axes.set_ylabel("share of the expert's score kept, %")
     axes.set_title(title, fontsize=10)
-    axes.legend(fontsize=7, loc="lower right")
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: no point hidden
     figure.tight_layout()
     figure.savefig(out, dpi=110)
     plt.close(figure)
