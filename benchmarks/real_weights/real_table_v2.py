@@ -193,7 +193,8 @@ def seed_summary(workdir: str, merge: str) -> dict:
         for d in domains:
             test = summarize_groups({key: rows[key]["scores"][d] for key in pair})["mann_whitney"]
             mann_whitney[d] = test[f"{pair[0]} vs {pair[1]}"]
-    return {"merge": merge, "domains": list(domains), "rows": rows, "mann_whitney": {"pair": list(pair), "by_domain": mann_whitney}}
+    return {"merge": merge, "domains": list(domains), "rows": rows,
+            "mann_whitney": {"pair": list(pair), "by_domain": mann_whitney}}
 
 
 def seed_markdown(summary: dict) -> str:
