@@ -34,6 +34,7 @@ RouterKind = Literal["auto", "centroid", "logistic"]
 # uncorrected pass over the prompt) or the first adapted block's input (no extra pass)
 RouterStates = Literal["final", "block_input"]
 AdapterInit = Literal["zero", "delta"]
+ExtractFit = Literal["weights", "activations"]
 _MAP_DEVICE = re.compile(r"^(cpu|disk|mps|cuda:\d+)$")
 _MEMORY_KEY = re.compile(r"^(cpu|disk|mps|cuda:\d+|\d+)$")
 _MEMORY_SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMGT]i?B|B)$", re.IGNORECASE)
@@ -212,6 +213,8 @@ class SurgeryConfig(_Strict):
     depth_rank: StrictInt = Field(8, gt=0, le=MAX_RANK)
     # block adapters / head correction start at zero, or at the SVD of expert - merge (train/delta_init.py)
     adapter_init: AdapterInit = "zero"
+    # what the extract's truncated SVD approximates: the weight delta, or its outputs on the merge's inputs
+    extract_fit: ExtractFit = "weights"
     train_blocks: Union[Annotated[int, Field(strict=True, ge=0, le=MAX_DEPTH)], Literal["all"], None] = None  # the last k adapted blocks train, the rest keep the extract
     # the keys the preset filled in, and what presets.fit_preset changed of them to fit the model and data
     _preset_filled: FrozenSet[str] = PrivateAttr(default=frozenset())
@@ -268,6 +271,8 @@ class SurgeryConfig(_Strict):
             ("adapter_init", self.adapter_init == "delta" and self.depth == 0 and self.head_rank == 0, "depth/head_rank",
              "adapter_init: delta starts the block adapters (depth > 0) and the head correction (head_rank > 0) "
              "from the expert's weight deltas, and this run has neither; set depth (e.g. depth: all)"),
+            ("extract_fit", self.adapter_init != "delta", "adapter_init", "extract_fit chooses how the data-free "
+             "extract that adapter_init: delta starts from is fitted; set adapter_init: delta"),
             ("train_blocks", self.depth == 0 or self.adapter_init != "delta", "depth/adapter_init", "train_blocks trains the "
              "last k adapted blocks from the data-free extract and keeps the extract below; it needs depth > 0 and adapter_init: delta"),
             ("train_blocks", isinstance(self.depth, int) and isinstance(self.train_blocks, int) and self.train_blocks > self.depth,

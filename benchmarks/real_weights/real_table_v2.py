@@ -63,6 +63,13 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
     "preset_r1_top0_fast": ("preset: best, depth_rank: 1, train_blocks: 0, 100 steps, KL on 256 positions a step",
                             {**PRESET, "depth_rank": 1, "train_blocks": 0, "steps": 100,
                              "kl_positions_per_step": KL_POSITIONS}, {}),
+    # the extract fitted to each linear's outputs on the merge's own inputs (extract_fit: activations)
+    **{f"extract_act_r{rank}": (f"Extract fitted to the activations, rank {rank} in every block",
+                                {**EXTRACT, "depth_rank": rank, "extract_fit": "activations"}, {}) for rank in (1, 8)},
+    "preset_act_r1_top0_fast": ("preset: best, depth_rank: 1 fitted to the activations, train_blocks: 0, 100 steps, "
+                                "KL on 256 positions a step",
+                                {**PRESET, "depth_rank": 1, "extract_fit": "activations", "train_blocks": 0,
+                                 "steps": 100, "kl_positions_per_step": KL_POSITIONS}, {}),
     # the same with the final-state correction preset: best had until 2026-12-06 (ReLU content + position
     # table, no weight form); measured under the name preset_top0_fast before the preset became foldable
     "preset_relu_top0_fast": ("preset: best with its ReLU final-state correction before 2026-12-06, train_blocks: 0, "

@@ -101,6 +101,7 @@ class DomainDeltas:
     head_rank: int = 0
     head: Optional[Factors] = None
     svd: str = "exact"  # "exact" or "randomized" (some linear above EXACT_SVD_MAX on a CPU)
+    fit: str = "weights"  # what the SVD approximates: the weights, or the outputs on the merge's inputs
     biases: Dict[Linear, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -116,7 +117,7 @@ class DomainDeltas:
 
     def describe(self) -> Dict[str, object]:
         described = {"rank": self.rank, "linears": len(self.blocks), "head_rank": self.head_rank if self.head else 0,
-                     "parameters": self.parameters, "svd": self.svd, "empty_directions": self.empty_directions()}
+                     "parameters": self.parameters, "svd": self.svd, "fit": self.fit, "empty_directions": self.empty_directions()}
         if self.biases:  # adapted linears with a bias (none on Llama-like models: the key is then absent)
             described["bias_linears"] = len(self.biases)
         return described
@@ -134,12 +135,23 @@ def head_weight(weights: SafetensorsWeights) -> torch.Tensor:
 
 def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_rank: int,
                   device: torch.device = torch.device("cpu"), progress: bool = False,
-                  desc: str = "weight deltas") -> DomainDeltas:
+                  desc: str = "weight deltas", grams=None) -> DomainDeltas:
     """The SVD start of every linear in ``targets`` (``blocks.block_linear_targets``: {layer: {path:
     (in, out)}}) at ``rank``, and of the head at ``head_rank`` (0: none), expert minus merge, every
-    tensor read from the files and subtracted in float32 (the LM heads too: not the capture's cast)."""
+    tensor read from the files and subtracted in float32 (the LM heads too: not the capture's cast).
+    ``grams``: ``(blocks, head)`` of ``activation_fit.activation_grams``: each SVD then fits the outputs on
+    those inputs (``extract_fit: activations``) instead of the weights."""
+    from mergekit_darts.repair.train.activation_fit import weighted_low_rank_factors
+
     merged, expert = SafetensorsWeights(merged_dir), SafetensorsWeights(expert_dir)
-    deltas = DomainDeltas(rank=rank, head_rank=head_rank)
+    deltas = DomainDeltas(rank=rank, head_rank=head_rank, fit="weights" if grams is None else "activations")
+    block_grams, head_gram = grams if grams is not None else ({}, None)
+
+    def factors(delta, rank_here, floor, gram):
+        if gram is None:
+            return low_rank_factors(delta, rank_here, device, floor)
+        return weighted_low_rank_factors(delta, rank_here, gram, device, floor)
+
     linears = [(index, path, shape) for index, paths in (targets or {}).items() for path, shape in paths.items()]
     for index, path, (in_features, out_features, *_) in tqdm(linears, desc=desc, disable=not progress, leave=False):
         suffix = f"layers.{index}.{path}.weight"
@@ -152,7 +164,7 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
         del expert_weight, merged_weight
         if min(delta.shape) > EXACT_SVD_MAX and device.type != "cuda":
             deltas.svd = "randomized"
-        deltas.blocks[(index, path)] = low_rank_factors(delta, rank, device, floor)
+        deltas.blocks[(index, path)] = factors(delta, rank, floor, block_grams[(index, path)] if grams is not None else None)
         bias = f"layers.{index}.{path}.bias"
         if merged.names_ending(bias):
             deltas.biases[(index, path)] = expert.read(bias).float() - merged.read(bias).float()
@@ -162,7 +174,7 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
             raise FormatError(f"{expert_dir}: its LM head is {tuple(expert_head.shape)}, the merge's "
                               f"{tuple(merged_head.shape)}")
         floor = rounding_floor(expert_head, merged_head)
-        deltas.head = low_rank_factors(expert_head.float() - merged_head.float(), head_rank, device, floor)
+        deltas.head = factors(expert_head.float() - merged_head.float(), head_rank, floor, head_gram)
     return deltas
 
 
@@ -234,11 +246,13 @@ def cached_domain_deltas(cache_dir: Optional[str], merged_dir: str, expert_dir: 
 
 
 def extract_start(name: str, surgery, settings, tail, merged_dir: Optional[str],
-                  device: torch.device) -> Tuple[Optional[DomainDeltas], str]:
+                  device: torch.device, grams=None) -> Tuple[Optional[DomainDeltas], str]:
     """The domain's truncated-SVD factors of (expert − merge) and, when there are none, why not (the
     report's ``baseline: {"not_measured": why}``). ``adapter_init: delta`` needs them: a failure to
     read them is the run's error. Otherwise they only measure the baseline: a failure (an expert
-    whose tensors are named or shaped unlike the merge's) leaves it unmeasured and never fails the run."""
+    whose tensors are named or shaped unlike the merge's) leaves it unmeasured and never fails the run.
+    ``grams`` (``extract_fit: activations``): fitted to the outputs on those inputs, never cached (they
+    depend on the records)."""
     from mergekit_darts.config import SurgeryConfigError
     from mergekit_darts.repair.capture.models import resolve_model_dir
 
@@ -250,10 +264,14 @@ def extract_start(name: str, surgery, settings, tail, merged_dir: Optional[str],
             raise SurgeryConfigError("adapter_init: delta needs the merged model's weights (train_domain's merged_dir)")
         return None, "the merged model's weights were not given"
     try:
-        deltas = cached_domain_deltas(
-            surgery.cache_dir, merged_dir, resolve_model_dir(surgery.domains[name].model),
-            tail.targets if tail is not None else None, surgery.depth_rank if tail is not None else 0,
-            surgery.head_rank, device=device, progress=settings.progress, desc=f"weight deltas[{name}]")
+        arguments = (merged_dir, resolve_model_dir(surgery.domains[name].model),
+                     tail.targets if tail is not None else None, surgery.depth_rank if tail is not None else 0,
+                     surgery.head_rank)
+        options = {"device": device, "progress": settings.progress, "desc": f"weight deltas[{name}]"}
+        if grams is None:
+            deltas = cached_domain_deltas(surgery.cache_dir, *arguments, **options)
+        else:
+            deltas = domain_deltas(*arguments, **options, grams=grams)
     except (FormatError, OSError, ValueError, RuntimeError) as error:
         if surgery.adapter_init == "delta":
             raise

@@ -83,7 +83,18 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     device = resolve_device(settings.device)
     kl = surgery.loss == "kl"
     shape = SurgeryShape.from_config(surgery)
-    deltas, not_measured = extract_start(name, surgery, settings, tail, merged_dir, device)
+    rows = split_rows(data, surgery, settings.seed)
+    train_idx, held_idx = rows["train"], rows["held_out"]
+    grams = None
+    if surgery.extract_fit == "activations":  # the merge's inputs of each adapted linear, training records only
+        from mergekit_darts.repair.train.activation_fit import activation_grams
+
+        block_grams, head_gram, _ = activation_grams(
+            tail, data.block_inputs if tail is not None else None, data.merged_hidden, data.position_ids,
+            data.attention_mask, train_idx, surgery.micro_batch_size or surgery.capture_batch_size, device,
+            head=surgery.head_rank > 0)
+        grams = (block_grams, head_gram)
+    deltas, not_measured = extract_start(name, surgery, settings, tail, merged_dir, device, grams)
     # what the module reads: the final states, or with depth the first adapted block's input
     inputs = data.block_inputs if tail is not None else data.merged_hidden
     prefixes = getattr(data, "prefixes", None)  # the behaviour figures' held-out prefixes, read the same way
@@ -115,8 +126,6 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
         "merged": inputs, "target": data.expert_hidden, "mask": data.attention_mask,
         "position_ids": data.position_ids, "entropy": data.expert_entropy,
     }
-    rows = split_rows(data, surgery, settings.seed)
-    train_idx, held_idx = rows["train"], rows["held_out"]
 
     def on_device(index):
         # promote the cached (often bfloat16) states once, not at every step
