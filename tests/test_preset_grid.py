@@ -40,6 +40,7 @@ def test_cheapest_cell_within_noise_is_chosen(tmp_path):
         # noisy math: not told apart by Mann-Whitney, but its mean is more than 2 points lower
         write_cell(workdir, seed, "relu_k1", (30, 50, 35, 55, 40, 20)[seed], 90, cpu=40)
         write_cell(workdir, seed, "extract", 5, 80, cpu=10)
+        write_cell(workdir, seed, "extract_act", 60, 95, cpu=12)  # an untrained start is never the best
     data = preset_grid.summarize(workdir)
     cells = data["cells"]
     assert data["seeds"] == list(range(6))
@@ -53,6 +54,7 @@ def test_cheapest_cell_within_noise_is_chosen(tmp_path):
     assert cells["relu_k1"]["qualifies"] is False
     assert cells["foldable_k0"]["qualifies"] is True
     assert "qualifies" not in cells["extract"]  # the untrained extract stands beside, never chosen
+    assert "qualifies" not in cells["extract_act"] and data["best_per_domain"]["code"] != "extract_act"
     assert data["chosen"] == "foldable_k0"
     assert data["qualifying_by_cpu"] == ["foldable_k0", "relu_kall"]
     assert data["cpu_ratio_to_shipped"]["foldable_k0"] == pytest.approx(0.2)
@@ -91,7 +93,8 @@ def test_cell_yaml_keeps_the_cell_keys_over_the_demo(tmp_path):
 
 
 @pytest.mark.parametrize("cell,content,method", [("relu_kall", "relu", "darts"), ("relu_k0", "relu", "darts"),
-                                                 ("foldable_kall", "linear", "standard")])
+                                                 ("foldable_kall", "linear", "standard"),
+                                                 ("foldable_act_k0", "linear", "standard")])
 def test_cells_name_their_final_state_correction(cell, content, method):
     """The preset's own correction changed (ReLU -> linear): a rerun of a relu cell must still train ReLU."""
     from mergekit_darts.config import parse_surgery_block

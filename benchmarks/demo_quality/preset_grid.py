@@ -48,6 +48,12 @@ CELLS: Dict[str, dict] = {"extract": {"steps": 0}}
 for _variant, _keys in (("relu", RELU), ("foldable", FOLDABLE)):
     for _k in TRAIN_BLOCKS:
         CELLS[f"{_variant}_k{_k}"] = {**_keys, "train_blocks": _k}
+# the same start fitted to each linear's outputs on the merge's inputs (extract_fit: activations), untrained
+# and trained: does a better start let fewer blocks train?
+ACTIVATIONS = {"extract_fit": "activations"}
+CELLS["extract_act"] = {"steps": 0, **ACTIVATIONS}
+for _k in (0, 2, "all"):
+    CELLS[f"foldable_act_k{_k}"] = {**FOLDABLE, **ACTIVATIONS, "train_blocks": _k}
 WITHIN_POINTS = 2.0  # issue 52: no domain's mean more than 2 points below the best
 ALPHA = 0.05
 
@@ -185,7 +191,7 @@ def summarize(workdir: str) -> dict:
             "mean_extract_gap_closed": {d: mean([r["extract_gap_closed"][d] for r in runs]) for d in domains},
             "mean_seconds": {clock: mean([r["seconds"][clock] for r in runs]) for clock in ("wall", "cpu")},
         }
-    trained = [name for name in cells if name != "extract"]
+    trained = [name for name in cells if not name.startswith("extract")]  # the untrained extracts stand beside
     best = {d: max(trained, key=lambda n: cells[n]["mean_accuracy"][d]) for d in domains}
     for name in trained:
         within = {}
@@ -233,7 +239,7 @@ def markdown(data: dict) -> str:
         gap = sum(cell["mean_gap_closed"][d] for d in domains) / len(domains)
         extract = [cell["mean_extract_gap_closed"][d] for d in domains]
         extract_text = f"{sum(extract) / len(extract):.3f}" if None not in extract else "-"
-        qualifies = "-" if name == "extract" else ("**yes**" if cell["qualifies"] else "no")
+        qualifies = "-" if name.startswith("extract") else ("**yes**" if cell["qualifies"] else "no")
         lines.append(f"| {name} | " + " | ".join(scores) + f" | {gap:.3f} ({extract_text}) | "
                      f"{cell['mean_seconds']['cpu']:.0f} | {cell['mean_seconds']['wall']:.0f} | {qualifies} |")
     return "\n".join(lines) + "\n"
@@ -271,7 +277,7 @@ def main():
         rows.append([name, *(f"{cell['mean_accuracy'][d]:.1f}" for d in data["domains"]),
                      *(f"{cell['mean_gap_closed'][d]:.3f}" for d in data["domains"]),
                      cell["mean_seconds"]["wall"], cell["mean_seconds"]["cpu"], len(cell["seeds"]),
-                     "yes" if cell.get("qualifies") else ("-" if name == "extract" else "no")])
+                     "yes" if cell.get("qualifies") else ("-" if name.startswith("extract") else "no")])
     print_table(f"preset grid (seeds {data['seeds']}; chosen: {data['chosen']})",
                 ["cell", *data["domains"], *(f"gap {d}" for d in data["domains"]), "wall s", "cpu s", "seeds",
                  "within noise"], rows)
