@@ -48,12 +48,12 @@ def test_isotropic_inputs_give_the_plain_extract():
 
 def test_grams_are_the_merges_inputs_at_unmasked_positions_of_the_given_rows(tiny_family):
     """Each adapted linear's Gram is Σ x xᵀ / n over the unmasked positions of the given rows only, as the
-    linear reads them in the frozen blocks; garbage in padded positions changes nothing, and the head's
-    is the final states'."""
+    linear reads them in the frozen blocks (run one block at a time); garbage in padded positions changes
+    nothing; siblings reading one tensor share one; the head's is the final states'."""
     from transformers import AutoModelForCausalLM
 
     from mergekit_darts.repair.capture.block_inputs import FrozenTail
-    from mergekit_darts.repair.train.activation_fit import activation_grams
+    from mergekit_darts.repair.train.activation_fit import LayerInputs, head_whitening, whitening
 
     model = AutoModelForCausalLM.from_pretrained(tiny_family["merged"], torch_dtype=torch.float32)
     tail = FrozenTail.from_model(model, 2)
@@ -63,31 +63,51 @@ def test_grams_are_the_merges_inputs_at_unmasked_positions_of_the_given_rows(tin
     mask[1, 4:] = 0
     mask[3, 2:] = 0
     positions = torch.arange(6).expand(5, 6)
-    final = torch.randn(5, 6, model.config.hidden_size, generator=generator)
     rows = torch.tensor([0, 1, 3])
 
     seen = {}
-    linear = tail.layers[1].get_submodule("mlp.down_proj")
-    handle = linear.register_forward_pre_hook(lambda module, args: seen.setdefault("x", args[0].detach()))
+    for path in ("mlp.down_proj", "self_attn.o_proj"):
+        tail.layers[1].get_submodule(path).register_forward_pre_hook(
+            lambda module, args, path=path: seen.setdefault(path, args[0].detach()))
     with torch.no_grad():
         tail.blocks(inputs[rows], positions[rows])
-    handle.remove()
+    for layer in tail.layers:
+        for module in layer.modules():
+            module._forward_pre_hooks.clear()
     valid = mask[rows].reshape(-1).bool()
-    x = seen["x"].reshape(-1, seen["x"].shape[-1])[valid].double()
-    grams, head, count = activation_grams(tail, inputs, final, positions, mask, rows, 2, torch.device("cpu"), head=True)
-    assert count == int(valid.sum()) == 6 + 4 + 2
-    torch.testing.assert_close(grams[(tail.first + 1, "mlp.down_proj")], x.T @ x / count, rtol=1e-5, atol=1e-6)
-    states = final[rows].reshape(-1, final.shape[-1])[valid].double()
-    torch.testing.assert_close(head, states.T @ states / count, rtol=1e-5, atol=1e-6)
-    assert set(grams) == {(index, path) for index, paths in tail.targets.items() for path in paths}
+
+    def gram_of(x):
+        x = x.reshape(-1, x.shape[-1])[valid].double()
+        return x.T @ x / int(valid.sum())
+
+    layers = LayerInputs(tail, inputs, positions, mask, rows, 2, torch.device("cpu"))
+    assert layers.positions == 6 + 4 + 2
+    first = tail.first
+    layers((first, "self_attn.q_proj"))
+    assert layers.layer == first
+    assert layers.grams[(first, "self_attn.q_proj")] is layers.grams[(first, "self_attn.v_proj")]
+    assert layers.grams[(first, "mlp.gate_proj")] is layers.grams[(first, "mlp.up_proj")]
+    assert layers.grams[(first, "self_attn.q_proj")] is not layers.grams[(first, "self_attn.o_proj")]
+    white = layers((first + 1, "mlp.down_proj"))
+    for path in ("mlp.down_proj", "self_attn.o_proj"):
+        torch.testing.assert_close(layers.grams[(first + 1, path)], gram_of(seen[path]), rtol=1e-5, atol=1e-6)
+    expected = whitening(gram_of(seen["mlp.down_proj"]))
+    torch.testing.assert_close(white.factor, expected.factor, rtol=1e-4, atol=1e-6)
+    assert white.scale == pytest.approx(float(torch.linalg.matrix_norm(expected.factor, ord=2)), rel=1e-3)
+    with pytest.raises(ValueError, match="layer"):
+        layers((first, "self_attn.q_proj"))  # the blocks ran past it
 
     padded = inputs.clone()
     padded[1, 4:] = 1e3  # right padding: no unmasked position attends to it
-    again, _, _ = activation_grams(tail, padded, final, positions, mask, rows, 2, torch.device("cpu"), head=False)
-    for key, gram in grams.items():
-        torch.testing.assert_close(again[key], gram, rtol=1e-5, atol=1e-6)
-    # q/k/v read one tensor: one product shared, not three different ones
-    torch.testing.assert_close(grams[(tail.first, "self_attn.q_proj")], grams[(tail.first, "self_attn.v_proj")])
+    again = LayerInputs(tail, padded, positions, mask, rows, 2, torch.device("cpu"))
+    again((first + 1, "mlp.down_proj"))
+    for key, gram in layers.grams.items():
+        torch.testing.assert_close(again.grams[key], gram, rtol=1e-5, atol=1e-6)
+
+    final = torch.randn(5, 6, model.config.hidden_size, generator=generator)
+    states = final[rows].reshape(-1, final.shape[-1])[valid].double()
+    torch.testing.assert_close(head_whitening(final, mask, rows).factor,
+                               whitening(states.T @ states / int(valid.sum())).factor, rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,14 @@ damped) that error is ``|(ΔW - up·down) S|²_F``: the truncated SVD of ``ΔW S
 and ``down`` times ``S⁻¹`` (SVD-LLM, Wang et al. 2024; ASVD). The inputs are the merge's own, on the
 domain's training records only (never the held-out ones the report measures on); the head correction
 is weighted by the merge's final states the same way.
+
+Memory: the blocks run one at a time over the training records (``LayerInputs``), so only one layer's
+Gram matrices are held (at 7B: 4096² for the attention and gate/up inputs, 11008² for down_proj, float64:
+about 1.4 GB), beside the records' hidden states at that layer (the size of the cached block input).
 """
 
-from contextlib import contextmanager
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional
 
 import torch
 
@@ -21,90 +25,113 @@ from mergekit_darts.repair.train.delta_init import Factors, Linear, low_rank_fac
 # added to the Gram matrix's diagonal, times its mean diagonal: keeps the Cholesky factor invertible
 # where an input feature never varies (GPTQ's damping), and bounds how far a rare direction is trusted
 GRAM_DAMPING = 0.01
+POWER_ITERATIONS = 32  # for the largest eigenvalue of a Gram matrix (only the rounding floor's scale)
 
 
-def damped_cholesky(gram: torch.Tensor) -> torch.Tensor:
-    """Lower ``S`` with ``S Sᵀ = G + damping·mean(diag G)·I`` (float64 for the factorization)."""
+@dataclass
+class Whitening:
+    """``S`` (lower, ``S Sᵀ`` = the damped Gram matrix of a linear's inputs, float64) and its largest
+    singular value."""
+
+    factor: torch.Tensor
+    scale: float
+
+
+def whitening(gram: torch.Tensor) -> Whitening:
     gram = gram.double()
     diagonal = float(gram.diagonal().mean())
-    damp = GRAM_DAMPING * diagonal if diagonal > 0 else 1.0
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
-    return torch.linalg.cholesky(gram + damp * eye)
+    damped = gram + (GRAM_DAMPING * diagonal if diagonal > 0 else 1.0) * torch.eye(gram.shape[0], dtype=gram.dtype)
+    vector = torch.ones(gram.shape[0], dtype=gram.dtype)
+    for _ in range(POWER_ITERATIONS):  # a Gram matrix is positive: no sign flips, converges from below
+        vector = damped @ vector
+        vector /= vector.norm()
+    largest = float(vector @ damped @ vector)
+    return Whitening(torch.linalg.cholesky(damped), largest ** 0.5)
 
 
-def weighted_low_rank_factors(delta: torch.Tensor, rank: int, gram: torch.Tensor,
-                              device: torch.device = torch.device("cpu"), floor: float = 0.0) -> Factors:
-    """``(down, up)`` minimizing the output error ``|(delta - up @ down) S|_F`` (``gram = S Sᵀ``, damped)
-    at ``rank``. The rounding ``floor`` of the weights scales with ``S``'s largest singular value, an
-    upper bound of what rounding noise becomes in the weighted matrix."""
-    factor = damped_cholesky(gram)
-    scale = float(torch.linalg.matrix_norm(factor, ord=2))
-    down, up = low_rank_factors((delta.double() @ factor).float(), rank, device, floor * scale)
+def weighted_low_rank_factors(delta: torch.Tensor, rank: int, gram, device: torch.device = torch.device("cpu"),
+                              floor: float = 0.0) -> Factors:
+    """``(down, up)`` minimizing the output error ``|(delta - up @ down) S|_F`` (``gram``: the inputs' Gram
+    matrix, or its ``Whitening``) at ``rank``. The rounding ``floor`` of the weights scales with ``S``'s
+    largest singular value, an upper bound of what rounding noise becomes in the weighted matrix."""
+    white = gram if isinstance(gram, Whitening) else whitening(gram)
+    down, up = low_rank_factors((delta.double() @ white.factor).float(), rank, device, floor * white.scale)
     # down S⁻¹: rows of zeros (empty directions) stay zero
-    down = torch.linalg.solve_triangular(factor, down.double(), upper=False, left=False).float()
+    down = torch.linalg.solve_triangular(white.factor, down.double(), upper=False, left=False).float()
     return down, up
 
 
-@contextmanager
-def _input_grams(tail, grams: Dict[Linear, torch.Tensor], mask_holder: list):
-    """Forward hooks adding ``xᵀx`` of each adapted linear's unmasked inputs to ``grams``. Linears that
-    read the same tensor (q/k/v; gate/up) share one product."""
-    handles, last = [], [None, None]  # the last input read (held, so its memory is not reused) and its product
+class LayerInputs:
+    """Each adapted linear's input ``Whitening`` on the training records, one block at a time: asking for a
+    linear of layer ``i`` runs the frozen blocks up to ``i`` over the records' hidden states (unmasked
+    positions only, the merge's own inputs), keeping only that layer's Gram matrices. Linears that read
+    the same tensor (q/k/v; gate/up) share one. Ask in layer order (``domain_deltas`` does)."""
 
-    def hook(key):
-        def add(module, args):
-            x = args[0]
-            if last[0] is not x:
-                rows = x.reshape(-1, x.shape[-1])[mask_holder[0]].float()
-                last[0], last[1] = x, (rows.T @ rows).double().cpu()
-            grams[key] += last[1]
-        return add
+    def __init__(self, tail, block_inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                 rows: torch.Tensor, batch_size: int, device):
+        self.tail, self.batch_size, self.device = tail, batch_size, device
+        self.hidden = block_inputs[rows].float()  # a copy: advanced in place, block by block
+        self.position_ids = position_ids[rows]
+        self.valid = mask[rows].bool()
+        self.positions = int(self.valid.sum())
+        self.layer: Optional[int] = None
+        self.grams: Dict[Linear, torch.Tensor] = {}
+        self._white: Dict[int, Whitening] = {}
 
-    try:
-        for index, paths in tail.targets.items():
-            for path, (in_features, *_) in paths.items():
-                grams[(index, path)] = torch.zeros(in_features, in_features, dtype=torch.float64)
-                linear = tail.layers[index - tail.first].get_submodule(path)
-                handles.append(linear.register_forward_pre_hook(hook((index, path))))
-        yield
-    finally:
-        last[0] = last[1] = None
-        for handle in handles:
-            handle.remove()
+    def __call__(self, key: Linear) -> Whitening:
+        index = key[0]
+        if self.layer is not None and index < self.layer:
+            raise ValueError(f"LayerInputs: layer {index} asked after layer {self.layer}")
+        while self.layer is None or self.layer < index:
+            self._advance()
+        gram = self.grams[key]
+        if id(gram) not in self._white:
+            self._white[id(gram)] = whitening(gram)
+        return self._white[id(gram)]
+
+    @torch.no_grad()
+    def _advance(self) -> None:
+        layer = self.tail.first if self.layer is None else self.layer + 1
+        block = self.tail.view(layer - self.tail.first, layer - self.tail.first + 1)
+        grams: Dict[Linear, torch.Tensor] = {}
+        shared: Dict[Linear, Linear] = {}  # a linear that read its sibling's input -> that sibling
+        last = [None, None, None]  # the input last read (held: its memory is not reused), its rows' mask, who read it
+        handles = []
+
+        def hook(key):
+            def add(module, args):
+                x = args[0]
+                if last[0] is x:  # same tensor as the sibling just before it
+                    shared.setdefault(key, last[2])
+                    return
+                rows = x.reshape(-1, x.shape[-1])[last[1]].float()
+                grams[key] = grams.get(key, 0) + (rows.T @ rows).double().cpu()
+                last[0], last[2] = x, key
+            return add
+
+        try:
+            for path in self.tail.targets[layer]:
+                linear = self.tail.layers[layer - self.tail.first].get_submodule(path)
+                handles.append(linear.register_forward_pre_hook(hook((layer, path))))
+            for start in range(0, self.hidden.shape[0], self.batch_size):
+                rows = slice(start, start + self.batch_size)
+                last[:] = [None, self.valid[rows].reshape(-1).to(self.device), None]
+                out = block.blocks(self.hidden[rows].to(self.device), self.position_ids[rows].to(self.device))
+                self.hidden[rows] = out.cpu()
+        finally:
+            last[:] = [None, None, None]
+            for handle in handles:
+                handle.remove()
+        count = max(self.positions, 1)
+        self.grams = {key: gram / count for key, gram in grams.items()}
+        for key, sibling in shared.items():
+            self.grams[key] = self.grams[sibling]
+        self._white = {}
+        self.layer = layer
 
 
-@torch.no_grad()
-def activation_grams(tail, block_inputs: torch.Tensor, final_states: torch.Tensor, position_ids: torch.Tensor,
-                     mask: torch.Tensor, rows: torch.Tensor, batch_size: int, device,
-                     head: bool) -> Tuple[Dict[Linear, torch.Tensor], Optional[torch.Tensor], int]:
-    """(``{(layer, path): Σ x xᵀ / n}`` of every adapted linear of ``tail`` (None: no block adapters),
-    the head's over ``final_states`` when ``head``, n): the merge's own inputs at the unmasked positions
-    of ``rows``, run ``batch_size`` rows at a time through the frozen blocks."""
-    grams: Dict[Linear, torch.Tensor] = {}
-    head_gram = None
-    count = 0
-    mask_holder = [None]
-    if tail is not None:
-        with _input_grams(tail, grams, mask_holder):
-            for start in range(0, rows.numel(), batch_size):
-                index = rows[start:start + batch_size]
-                valid = mask[index].reshape(-1).bool().to(device)
-                mask_holder[0] = valid
-                count_here = int(valid.sum())
-                if count_here == 0:
-                    continue
-                tail.blocks(block_inputs[index].float().to(device), position_ids[index].to(device))
-                count += count_here
-    if head:
-        head_count = 0
-        width = final_states.shape[-1]
-        head_gram = torch.zeros(width, width, dtype=torch.float64)
-        for start in range(0, rows.numel(), batch_size):
-            index = rows[start:start + batch_size]
-            states = final_states[index].reshape(-1, width)[mask[index].reshape(-1).bool()].float()
-            head_gram += (states.T @ states).double()
-            head_count += states.shape[0]
-        head_gram /= max(head_count, 1)
-        count = count or head_count
-    grams = {key: gram / max(count, 1) for key, gram in grams.items()}
-    return grams, head_gram, count
+def head_whitening(final_states: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> Whitening:
+    """The head correction's: the merge's final states at the unmasked positions of ``rows``."""
+    width = final_states.shape[-1]
+    states = final_states[rows].reshape(-1, width)[mask[rows].reshape(-1).bool()].float()
+    return whitening((states.T @ states).double() / max(states.shape[0], 1))

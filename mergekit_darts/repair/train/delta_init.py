@@ -139,13 +139,13 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
     """The SVD start of every linear in ``targets`` (``blocks.block_linear_targets``: {layer: {path:
     (in, out)}}) at ``rank``, and of the head at ``head_rank`` (0: none), expert minus merge, every
     tensor read from the files and subtracted in float32 (the LM heads too: not the capture's cast).
-    ``grams``: ``(blocks, head)`` of ``activation_fit.activation_grams``: each SVD then fits the outputs on
-    those inputs (``extract_fit: activations``) instead of the weights."""
+    ``grams``: ``(blocks, head)``, ``activation_fit.LayerInputs`` and ``head_whitening`` (or None): each SVD then
+    fits the outputs on those inputs (``extract_fit: activations``) instead of the weights."""
     from mergekit_darts.repair.train.activation_fit import weighted_low_rank_factors
 
     merged, expert = SafetensorsWeights(merged_dir), SafetensorsWeights(expert_dir)
     deltas = DomainDeltas(rank=rank, head_rank=head_rank, fit="weights" if grams is None else "activations")
-    block_grams, head_gram = grams if grams is not None else ({}, None)
+    block_grams, head_gram = grams if grams is not None else (None, None)
 
     def factors(delta, rank_here, floor, gram):
         if gram is None:
@@ -164,7 +164,7 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
         del expert_weight, merged_weight
         if min(delta.shape) > EXACT_SVD_MAX and device.type != "cuda":
             deltas.svd = "randomized"
-        deltas.blocks[(index, path)] = factors(delta, rank, floor, block_grams[(index, path)] if grams is not None else None)
+        deltas.blocks[(index, path)] = factors(delta, rank, floor, block_grams((index, path)) if grams is not None else None)
         bias = f"layers.{index}.{path}.bias"
         if merged.names_ending(bias):
             deltas.biases[(index, path)] = expert.read(bias).float() - merged.read(bias).float()
