@@ -70,6 +70,11 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
                                 "KL on 256 positions a step",
                                 {**PRESET, "depth_rank": 1, "extract_fit": "activations", "train_blocks": 0,
                                  "steps": 100, "kl_positions_per_step": KL_POSITIONS}, {}),
+    # its early stopping chose the last of 100 steps on four domains: the same at 300
+    "preset_act_r1_top0_300": ("preset: best, depth_rank: 1 fitted to the activations, train_blocks: 0, 300 steps, "
+                               "KL on 256 positions a step",
+                               {**PRESET, "depth_rank": 1, "extract_fit": "activations", "train_blocks": 0,
+                                "steps": 300, "kl_positions_per_step": KL_POSITIONS}, {}),
     # the same with the final-state correction preset: best had until 2026-12-06 (ReLU content + position
     # table, no weight form); measured under the name preset_top0_fast before the preset became foldable
     "preset_relu_top0_fast": ("preset: best with its ReLU final-state correction before 2026-12-06, train_blocks: 0, "
