@@ -18,23 +18,25 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Card:
-    """A device: its memory, bfloat16 matmul peak (dense), float32 peak and memory bandwidth."""
+    """A device: its memory, bfloat16 matmul peak (dense), float32 peak, memory bandwidth and float64 peak
+    (without tensor cores)."""
     name: str
     memory_gb: float
     bf16_flops: float
     fp32_flops: float
     bandwidth: float  # bytes / s
+    fp64_flops: float
 
 
 # Dense peaks from the vendors' sheets (no sparsity). The CPU row is this project's 2-core CI machine as
 # measured (benchmarks/results/bench_capture_sharded.json: 11-14 GFLOP/s through a 141M Llama).
 CARDS: Dict[str, Card] = {
-    "rtx4090": Card("RTX 4090 (24 GB)", 24, 165e12, 82e12, 1.0e12),
-    "l40s": Card("L40S (48 GB)", 48, 362e12, 91e12, 0.86e12),
-    "a100": Card("A100 80GB", 80, 312e12, 19.5e12, 2.0e12),
-    "h100": Card("H100 SXM (80 GB)", 80, 989e12, 67e12, 3.35e12),
-    "h200": Card("H200 (141 GB)", 141, 790e12, 67e12, 4.8e12),
-    "cpu": Card("CPU (2 cores, 24 GB)", 24, 12e9, 12e9, 10e9),
+    "rtx4090": Card("RTX 4090 (24 GB)", 24, 165e12, 82e12, 1.0e12, 1.3e12),
+    "l40s": Card("L40S (48 GB)", 48, 362e12, 91e12, 0.86e12, 1.4e12),
+    "a100": Card("A100 80GB", 80, 312e12, 19.5e12, 2.0e12, 9.7e12),
+    "h100": Card("H100 SXM (80 GB)", 80, 989e12, 67e12, 3.35e12, 34e12),
+    "h200": Card("H200 (141 GB)", 141, 790e12, 67e12, 4.8e12, 34e12),
+    "cpu": Card("CPU (2 cores, 24 GB)", 24, 12e9, 12e9, 10e9, 6e9),
 }
 # shares of peak the stages reach (docs/scale.md's 7B estimates: 40 % of bf16 for blocks, the float32 KL
 # at the float32 peak, decoding at 60 % of the bandwidth)
@@ -115,6 +117,7 @@ class Run:
     capture_batch: int = 8
     rank: int = 16            # the final-state content correction's
     trained: Optional[int] = None  # train_blocks: the adapted blocks a step runs (None: all of them)
+    activation_fit: bool = False  # extract_fit: activations
 
     @property
     def stepped(self) -> int:
@@ -186,7 +189,24 @@ def delta_seconds(shape: Shape, run: Run, card: Card) -> float:
              *[(shape.hidden, shape.intermediate)] * 3]
     flops = run.depth * sum(14 * m * n * min(m, n) for m, n in sides)
     read = 2 * run.depth * shape.block_linear_parameters * 2 / DISK_BYTES_PER_S
-    return flops / (0.1 * card.fp32_flops) + read
+    return flops / (0.1 * card.fp32_flops) + read + activation_fit_seconds(shape, run, card)
+
+
+def activation_fit_seconds(shape: Shape, run: Run, card: Card) -> float:
+    """``extract_fit: activations``: the adapted blocks forward once over the training records, the input
+    Gram matrices (attention input, o_proj input, gate/up input, down_proj input: one each a block, float32)
+    and their Cholesky factorizations (float64, on the same device)."""
+    if not run.activation_fit or not run.delta_start or not run.depth:
+        return 0.0
+    _, records = train_records(run)
+    positions = records * run.tokens
+    block_rate = card.bf16_flops * MATMUL_EFFICIENCY if run.bf16_weights else card.fp32_flops
+    q_out = shape.heads * shape.head_dim
+    inputs = (shape.hidden, q_out, shape.hidden, shape.intermediate)
+    forward = 2 * run.depth * shape.block_linear_parameters * positions / block_rate
+    grams = 2 * run.depth * sum(width ** 2 for width in inputs) * positions / (card.fp32_flops * MATMUL_EFFICIENCY)
+    cholesky = run.depth * sum(width ** 3 / 3 for width in inputs) / (card.fp64_flops * MATMUL_EFFICIENCY)
+    return forward + grams + cholesky
 
 
 def training_memory(shape: Shape, run: Run, micro_batch: Optional[int] = None) -> Dict[str, float]:
@@ -244,7 +264,8 @@ def run_from_surgery(surgery, domain: str, layers: int, tokens: Optional[int] = 
                refit=surgery.refit, validation=surgery.validation, eval_every=surgery.eval_every,
                delta_start=surgery.adapter_init == "delta", bf16_weights=dtype == "bfloat16",
                capture_batch=surgery.capture_batch_size, rank=surgery.rank,
-               trained=None if surgery.train_blocks in (None, "all") else int(surgery.train_blocks))
+               trained=None if surgery.train_blocks in (None, "all") else int(surgery.train_blocks),
+               activation_fit=surgery.extract_fit == "activations")
 
 
 def plan_domain(shape: Shape, run: Run, card: Card) -> dict:

@@ -174,3 +174,31 @@ def test_training_only_the_top_blocks_costs_their_steps_only():
     memory = {k: training_memory(shape, run, 1) for k, run in runs.items()}
     assert memory[2]["frozen blocks (float32)"] == memory[None]["frozen blocks (float32)"]
     assert memory[2]["activations"] * 16 == memory[None]["activations"] and memory[0]["activations"] == 0
+
+
+def test_fitting_the_extract_to_the_activations_adds_one_pass_of_the_blocks():
+    """extract_fit: activations: the delta start grows by a forward of the adapted blocks over the
+    training records, their Gram matrices and the Cholesky factorizations; nothing else changes."""
+    from mergekit_darts.config import parse_surgery_block
+    from mergekit_darts.plan import activation_fit_seconds, delta_seconds, plan_domain, step_flops, train_records
+
+    shape = Shape.from_config(_hub_config("llama2-7b"))
+    runs = {}
+    for fit in ("weights", "activations"):
+        raw = {"preset": "best", "extract_fit": fit,
+               "domains": {"math": {"model": "m", "calibration": {"texts": ["a"], "samples": 50}}}}
+        runs[fit] = run_from_surgery(parse_surgery_block(raw), "math", shape.layers)
+    card = CARDS["h200"]
+    assert runs["activations"].activation_fit and not runs["weights"].activation_fit
+    extra = activation_fit_seconds(shape, runs["activations"], card)
+    assert activation_fit_seconds(shape, runs["weights"], card) == 0.0
+    assert delta_seconds(shape, runs["activations"], card) == pytest.approx(delta_seconds(shape, runs["weights"], card) + extra)
+    # at least the blocks' forward over the training records at the card's bfloat16 rate and the Cholesky
+    # of down_proj's 11008-wide input, 32 x 11008^3 / 3 FLOPs, at the card's float64 peak
+    _, records = train_records(runs["activations"])
+    forward = 2 * shape.layers * shape.block_linear_parameters * records * runs["activations"].tokens
+    assert extra > forward / card.bf16_flops + 32 * 11008 ** 3 / 3 / card.fp64_flops
+    assert step_flops(shape, runs["activations"], 40) == step_flops(shape, runs["weights"], 40)
+    planned = {fit: plan_domain(shape, run, card) for fit, run in runs.items()}
+    assert planned["activations"]["training"] == planned["weights"]["training"]
+    assert planned["activations"]["delta start"]["seconds"] > planned["weights"]["delta start"]["seconds"]

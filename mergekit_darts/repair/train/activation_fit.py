@@ -11,8 +11,9 @@ domain's training records only (never the held-out ones the report measures on);
 is weighted by the merge's final states the same way.
 
 Memory: the blocks run one at a time over the training records (``LayerInputs``), so only one layer's
-Gram matrices are held (at 7B: 4096² for the attention and gate/up inputs, 11008² for down_proj, float64:
-about 1.4 GB), beside the records' hidden states at that layer (the size of the cached block input).
+Gram matrices are held, on the training device with their Cholesky factors (at 7B: 4096² for the
+attention, o_proj and gate/up inputs, 11008² for down_proj, float64: about 1.4 GB, twice that with the
+factors), beside the records' hidden states at that layer (on the cpu: the size of the cached block input).
 """
 
 from dataclasses import dataclass
@@ -38,10 +39,11 @@ class Whitening:
 
 
 def whitening(gram: torch.Tensor) -> Whitening:
-    gram = gram.double()
+    gram = gram.double()  # on its device: a 7B's 11008-wide down_proj input is ~0.4 T FLOP to factor
     diagonal = float(gram.diagonal().mean())
-    damped = gram + (GRAM_DAMPING * diagonal if diagonal > 0 else 1.0) * torch.eye(gram.shape[0], dtype=gram.dtype)
-    vector = torch.ones(gram.shape[0], dtype=gram.dtype)
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    damped = gram + (GRAM_DAMPING * diagonal if diagonal > 0 else 1.0) * eye
+    vector = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
     for _ in range(POWER_ITERATIONS):  # a Gram matrix is positive: no sign flips, converges from below
         vector = damped @ vector
         vector /= vector.norm()
@@ -55,10 +57,12 @@ def weighted_low_rank_factors(delta: torch.Tensor, rank: int, gram, device: torc
     matrix, or its ``Whitening``) at ``rank``. The rounding ``floor`` of the weights scales with ``S``'s
     largest singular value, an upper bound of what rounding noise becomes in the weighted matrix."""
     white = gram if isinstance(gram, Whitening) else whitening(gram)
-    down, up = low_rank_factors((delta.double() @ white.factor).float(), rank, device, floor * white.scale)
+    factor = white.factor  # where the Gram matrix was collected: the training device
+    weighted = (delta.to(factor.device, torch.float64) @ factor).float()
+    down, up = low_rank_factors(weighted, rank, device, floor * white.scale)
     # down S⁻¹: rows of zeros (empty directions) stay zero
-    down = torch.linalg.solve_triangular(white.factor, down.double(), upper=False, left=False).float()
-    return down, up
+    down = torch.linalg.solve_triangular(factor, down.to(factor.device, torch.float64), upper=False, left=False)
+    return down.float().cpu(), up
 
 
 class LayerInputs:
@@ -105,7 +109,7 @@ class LayerInputs:
                     shared.setdefault(key, last[2])
                     return
                 rows = x.reshape(-1, x.shape[-1])[last[1]].float()
-                grams[key] = grams.get(key, 0) + (rows.T @ rows).double().cpu()
+                grams[key] = grams.get(key, 0) + (rows.T @ rows).double()  # kept on the device
                 last[0], last[2] = x, key
             return add
 
