@@ -123,6 +123,9 @@ def test_mergekit_yaml_with_extract_fit_activations(activation_extract, tiny_fam
     from safetensors.torch import load_file
 
     out, report = activation_extract
+    assert report["surgery"]["extract_fit"] == "activations"
+    card = open(f"{out}/README.md").read()
+    assert "fitted to their outputs on the merge's inputs" in card  # not called mergekit-extract-lora's
     darts = load_file(f"{out}/darts.safetensors")
     for name, entry in report["domains"].items():
         baseline = entry["baseline"]
