@@ -110,6 +110,72 @@ def test_grams_are_the_merges_inputs_at_unmasked_positions_of_the_given_rows(tin
                                whitening(states.T @ states / int(valid.sum())).factor, rtol=1e-4, atol=1e-5)
 
 
+def test_sequential_inputs_come_through_the_extract_of_the_blocks_below(tiny_family):
+    """extract_fit: sequential: a layer's Gram matrices are those of the inputs the model computes with the
+    extract adapters of the layers below on; with empty factors they are the merge's own."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from mergekit_darts.repair.capture.block_inputs import FrozenTail
+    from mergekit_darts.repair.train.activation_fit import LayerInputs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_family["merged"], torch_dtype=torch.float32)
+    tail = FrozenTail.from_model(model, 2)
+    generator = torch.Generator().manual_seed(4)
+    inputs = torch.randn(4, 5, model.config.hidden_size, generator=generator)
+    mask = torch.ones(4, 5, dtype=torch.long)
+    mask[2, 3:] = 0
+    positions = torch.arange(5).expand(4, 5)
+    rows = torch.tensor([0, 2, 3])
+    first = tail.first
+    factors = {(first, path): (torch.randn(2, shape[0], generator=generator) * 0.3,
+                               torch.randn(shape[1], 2, generator=generator) * 0.3)
+               for path, shape in tail.targets[first].items()}
+
+    def second_layer_gram(with_factors):
+        handles, seen = [], {}
+        if with_factors:
+            for (index, path), (down, up) in factors.items():
+                linear = tail.layers[0].get_submodule(path)
+                handles.append(linear.register_forward_hook(
+                    lambda module, args, out, down=down, up=up: out + (args[0] @ down.T) @ up.T))
+        target = tail.layers[1].get_submodule("mlp.down_proj")
+        handles.append(target.register_forward_pre_hook(lambda module, args: seen.setdefault("x", args[0])))
+        with torch.no_grad():
+            tail.blocks(inputs[rows], positions[rows])
+        for handle in handles:
+            handle.remove()
+        x = seen["x"].reshape(-1, seen["x"].shape[-1])[mask[rows].reshape(-1).bool()].double()
+        return x.T @ x / x.shape[0]
+
+    def collected(deltas, sequential=True):
+        layers = LayerInputs(tail, inputs, positions, mask, rows, 2, torch.device("cpu"), sequential=sequential)
+        layers.follow(deltas)
+        for path in tail.targets[first]:
+            layers((first, path))
+        layers((first + 1, "mlp.down_proj"))
+        return layers.grams[(first + 1, "mlp.down_proj")]
+
+    corrected = collected(SimpleNamespace(blocks=factors, biases={}))
+    torch.testing.assert_close(corrected, second_layer_gram(True), rtol=1e-5, atol=1e-6)
+    assert float((corrected - second_layer_gram(False)).norm()) > 1e-3 * float(corrected.norm())
+    empty = {key: (torch.zeros_like(down), torch.zeros_like(up)) for key, (down, up) in factors.items()}
+    torch.testing.assert_close(collected(SimpleNamespace(blocks=empty, biases={})), second_layer_gram(False),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(collected(None, sequential=False), second_layer_gram(False), rtol=1e-5, atol=1e-6)
+
+
+def test_mergekit_yaml_with_extract_fit_sequential(tiny_family, tmp_path):
+    """Through a real run: the report and the card say the extract was fitted on the corrected inputs."""
+    out, report = _run(tiny_family, tmp_path, steps=0, adapter_init="delta", content="linear", method="standard",
+                       extract_fit="sequential")
+    for entry in report["domains"].values():
+        assert entry["baseline"]["fit"] == "sequential"
+        assert entry["held_out_kl"]["after"] < entry["held_out_kl"]["before"]
+    assert "the inputs of the model corrected below them" in open(f"{out}/README.md").read()
+
+
 @pytest.fixture(scope="module")
 def activation_extract(tiny_family, tmp_path_factory):
     return _run(tiny_family, tmp_path_factory.mktemp("activations"), steps=0, adapter_init="delta", head_rank=2,
