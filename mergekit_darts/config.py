@@ -34,7 +34,7 @@ RouterKind = Literal["auto", "centroid", "logistic"]
 # uncorrected pass over the prompt) or the first adapted block's input (no extra pass)
 RouterStates = Literal["final", "block_input"]
 AdapterInit = Literal["zero", "delta"]
-ExtractFit = Literal["weights", "activations", "sequential"]
+ExtractFit = Literal["weights", "activations"]
 _MAP_DEVICE = re.compile(r"^(cpu|disk|mps|cuda:\d+)$")
 _MEMORY_KEY = re.compile(r"^(cpu|disk|mps|cuda:\d+|\d+)$")
 _MEMORY_SIZE = re.compile(r"^\d+(\.\d+)?\s*([KMGT]i?B|B)$", re.IGNORECASE)
@@ -214,7 +214,6 @@ class SurgeryConfig(_Strict):
     # block adapters / head correction start at zero, or at the SVD of expert - merge (train/delta_init.py)
     adapter_init: AdapterInit = "zero"
     # what the extract's truncated SVD approximates: the weight delta, or its outputs on the merge's inputs
-    # (activations) or on the inputs the extract below already corrected (sequential)
     extract_fit: ExtractFit = "weights"
     train_blocks: Union[Annotated[int, Field(strict=True, ge=0, le=MAX_DEPTH)], Literal["all"], None] = None  # the last k adapted blocks train, the rest keep the extract
     # the keys the preset filled in, and what presets.fit_preset changed of them to fit the model and data

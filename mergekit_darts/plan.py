@@ -117,7 +117,7 @@ class Run:
     capture_batch: int = 8
     rank: int = 16            # the final-state content correction's
     trained: Optional[int] = None  # train_blocks: the adapted blocks a step runs (None: all of them)
-    extract_fit: str = "weights"  # activations / sequential: one / two passes of the blocks before the SVDs
+    activation_fit: bool = False  # extract_fit: activations
 
     @property
     def stepped(self) -> int:
@@ -193,19 +193,17 @@ def delta_seconds(shape: Shape, run: Run, card: Card) -> float:
 
 
 def activation_fit_seconds(shape: Shape, run: Run, card: Card) -> float:
-    """``extract_fit: activations``: the adapted blocks forward once over the training records (twice with
-    ``sequential``: each block again with its extract adapters on), the input
+    """``extract_fit: activations``: the adapted blocks forward once over the training records, the input
     Gram matrices (attention input, o_proj input, gate/up input, down_proj input: one each a block, float32)
     and their Cholesky factorizations (float64, on the same device)."""
-    if run.extract_fit == "weights" or not run.delta_start or not run.depth:
+    if not run.activation_fit or not run.delta_start or not run.depth:
         return 0.0
     _, records = train_records(run)
     positions = records * run.tokens
     block_rate = card.bf16_flops * MATMUL_EFFICIENCY if run.bf16_weights else card.fp32_flops
     q_out = shape.heads * shape.head_dim
     inputs = (shape.hidden, q_out, shape.hidden, shape.intermediate)
-    passes = 2 if run.extract_fit == "sequential" else 1
-    forward = passes * 2 * run.depth * shape.block_linear_parameters * positions / block_rate
+    forward = 2 * run.depth * shape.block_linear_parameters * positions / block_rate
     grams = 2 * run.depth * sum(width ** 2 for width in inputs) * positions / (card.fp32_flops * MATMUL_EFFICIENCY)
     cholesky = run.depth * sum(width ** 3 / 3 for width in inputs) / (card.fp64_flops * MATMUL_EFFICIENCY)
     return forward + grams + cholesky
@@ -267,7 +265,7 @@ def run_from_surgery(surgery, domain: str, layers: int, tokens: Optional[int] = 
                delta_start=surgery.adapter_init == "delta", bf16_weights=dtype == "bfloat16",
                capture_batch=surgery.capture_batch_size, rank=surgery.rank,
                trained=None if surgery.train_blocks in (None, "all") else int(surgery.train_blocks),
-               extract_fit=surgery.extract_fit)
+               activation_fit=surgery.extract_fit == "activations")
 
 
 def plan_domain(shape: Shape, run: Run, card: Card) -> dict:

@@ -66,9 +66,6 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
     # the extract fitted to each linear's outputs on the merge's own inputs (extract_fit: activations)
     **{f"extract_act_r{rank}": (f"Extract fitted to the activations, rank {rank} in every block",
                                 {**EXTRACT, "depth_rank": rank, "extract_fit": "activations"}, {}) for rank in (1, 8)},
-    # each block's inputs from the model corrected below it (extract_fit: sequential)
-    "extract_seq_r1": ("Extract fitted to the corrected model's activations, rank 1 in every block",
-                       {**EXTRACT, "depth_rank": 1, "extract_fit": "sequential"}, {}),
     "preset_act_r1_top0_fast": ("preset: best, depth_rank: 1 fitted to the activations, train_blocks: 0, 100 steps, "
                                 "KL on 256 positions a step",
                                 {**PRESET, "depth_rank": 1, "extract_fit": "activations", "train_blocks": 0,

@@ -85,11 +85,9 @@ def baseline_intro(report: Dict[str, Any]) -> str:
              else "the same held-out records")
     extract = ("the same adapters, untrained: the truncated SVD of expert - merge, what mergekit-extract-lora "
                "gives")
-    fit = settings.get("extract_fit", "weights")
-    if fit != "weights":
-        inputs = "the merge's inputs" if fit == "activations" else "the inputs of the model corrected below them"
-        extract = (f"the same adapters, untrained: the truncated SVD of expert - merge fitted to their outputs on "
-                   f"{inputs} (extract_fit: {fit}), not the weights' SVD that mergekit-extract-lora gives")
+    if settings.get("extract_fit") == "activations":
+        extract = ("the same adapters, untrained: the truncated SVD of expert - merge fitted to their outputs on the "
+                   "merge's inputs (extract_fit: activations), not the weights' SVD that mergekit-extract-lora gives")
     if settings.get("adapter_init") == "delta":
         what = f"The trained correction against the data-free extract it started from ({extract})"
     else:

@@ -68,17 +68,12 @@ def weighted_low_rank_factors(delta: torch.Tensor, rank: int, gram, device: torc
 class LayerInputs:
     """Each adapted linear's input ``Whitening`` on the training records, one block at a time: asking for a
     linear of layer ``i`` runs the frozen blocks up to ``i`` over the records' hidden states (unmasked
-    positions only), keeping only that layer's Gram matrices. Linears that read the same tensor (q/k/v;
-    gate/up) share one. Ask in layer order (``domain_deltas`` does).
-
-    ``sequential`` (``extract_fit: sequential``): the inputs are the corrected model's, not the merge's —
-    each block runs again with its own extract adapters on (``follow``: the factors as ``domain_deltas``
-    fills them) before the next block's inputs are read, so a layer's fit sees what the layers below it
-    already corrected (as GPTQ quantizes a layer on the outputs of the quantized ones below)."""
+    positions only, the merge's own inputs), keeping only that layer's Gram matrices. Linears that read
+    the same tensor (q/k/v; gate/up) share one. Ask in layer order (``domain_deltas`` does)."""
 
     def __init__(self, tail, block_inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                 rows: torch.Tensor, batch_size: int, device, sequential: bool = False):
-        self.tail, self.batch_size, self.device, self.sequential = tail, batch_size, device, sequential
+                 rows: torch.Tensor, batch_size: int, device):
+        self.tail, self.batch_size, self.device = tail, batch_size, device
         self.hidden = block_inputs[rows].float()  # a copy: advanced in place, block by block
         self.position_ids = position_ids[rows]
         self.valid = mask[rows].bool()
@@ -86,11 +81,6 @@ class LayerInputs:
         self.layer: Optional[int] = None
         self.grams: Dict[Linear, torch.Tensor] = {}
         self._white: Dict[int, Whitening] = {}
-        self._deltas = None  # with sequential: the DomainDeltas being filled
-
-    def follow(self, deltas) -> None:
-        """Read each finished layer's factors (and bias deltas) from ``deltas`` (sequential only)."""
-        self._deltas = deltas
 
     def __call__(self, key: Linear) -> Whitening:
         index = key[0]
@@ -103,28 +93,16 @@ class LayerInputs:
             self._white[id(gram)] = whitening(gram)
         return self._white[id(gram)]
 
-    def _advance(self) -> None:
-        if self.layer is None:
-            self.layer = self.tail.first
-        elif self.sequential:  # the finished layer again, corrected, for the next one's inputs
-            self._run(self.layer, collect=False, corrected=True)
-            self.layer += 1
-        else:  # its outputs were kept when its inputs were read
-            self.layer += 1
-        self.grams = self._run(self.layer, collect=True, corrected=False)
-        self._white = {}
-
     @torch.no_grad()
-    def _run(self, layer: int, collect: bool, corrected: bool) -> Dict[Linear, torch.Tensor]:
-        """Block ``layer`` over every record: its linears' Gram matrices when ``collect``; the records'
-        hidden states advanced past it unless it must run again corrected (sequential collection)."""
+    def _advance(self) -> None:
+        layer = self.tail.first if self.layer is None else self.layer + 1
         block = self.tail.view(layer - self.tail.first, layer - self.tail.first + 1)
         grams: Dict[Linear, torch.Tensor] = {}
         shared: Dict[Linear, Linear] = {}  # a linear that read its sibling's input -> that sibling
         last = [None, None, None]  # the input last read (held: its memory is not reused), its rows' mask, who read it
         handles = []
 
-        def gather(key):
+        def hook(key):
             def add(module, args):
                 x = args[0]
                 if last[0] is x:  # same tensor as the sibling just before it
@@ -135,38 +113,25 @@ class LayerInputs:
                 last[0], last[2] = x, key
             return add
 
-        def correct(key):
-            down, up = (t.to(self.device) for t in self._deltas.blocks[key])
-            bias = self._deltas.biases.get(key)
-            bias = None if bias is None else bias.to(self.device)
-
-            def add(module, args, out):
-                extra = (args[0].float() @ down.T) @ up.T
-                return out + (extra if bias is None else extra + bias).to(out.dtype)
-            return add
-
         try:
             for path in self.tail.targets[layer]:
                 linear = self.tail.layers[layer - self.tail.first].get_submodule(path)
-                if collect:
-                    handles.append(linear.register_forward_pre_hook(gather((layer, path))))
-                if corrected:
-                    handles.append(linear.register_forward_hook(correct((layer, path))))
+                handles.append(linear.register_forward_pre_hook(hook((layer, path))))
             for start in range(0, self.hidden.shape[0], self.batch_size):
                 rows = slice(start, start + self.batch_size)
                 last[:] = [None, self.valid[rows].reshape(-1).to(self.device), None]
                 out = block.blocks(self.hidden[rows].to(self.device), self.position_ids[rows].to(self.device))
-                if corrected or not self.sequential:
-                    self.hidden[rows] = out.cpu()
+                self.hidden[rows] = out.cpu()
         finally:
             last[:] = [None, None, None]
             for handle in handles:
                 handle.remove()
         count = max(self.positions, 1)
-        grams = {key: gram / count for key, gram in grams.items()}
+        self.grams = {key: gram / count for key, gram in grams.items()}
         for key, sibling in shared.items():
-            grams[key] = grams[sibling]
-        return grams
+            self.grams[key] = self.grams[sibling]
+        self._white = {}
+        self.layer = layer
 
 
 def head_whitening(final_states: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> Whitening:

@@ -101,7 +101,7 @@ class DomainDeltas:
     head_rank: int = 0
     head: Optional[Factors] = None
     svd: str = "exact"  # "exact" or "randomized" (some linear above EXACT_SVD_MAX on a CPU)
-    fit: str = "weights"  # what the SVD approximates: the weights, or the outputs on the merge's (the corrected) inputs
+    fit: str = "weights"  # what the SVD approximates: the weights, or the outputs on the merge's inputs
     biases: Dict[Linear, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -146,9 +146,6 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
     merged, expert = SafetensorsWeights(merged_dir), SafetensorsWeights(expert_dir)
     deltas = DomainDeltas(rank=rank, head_rank=head_rank, fit="weights" if grams is None else "activations")
     block_grams, head_gram = grams if grams is not None else (None, None)
-    if getattr(block_grams, "sequential", False):
-        block_grams.follow(deltas)  # each layer's inputs then come through the factors of those below
-        deltas.fit = "sequential"
 
     def factors(delta, rank_here, floor, gram):
         if gram is None:

@@ -86,12 +86,11 @@ def train_domain(name: str, data, merged_head: torch.Tensor, surgery: SurgeryCon
     rows = split_rows(data, surgery, settings.seed)
     train_idx, held_idx = rows["train"], rows["held_out"]
     grams = None
-    if surgery.extract_fit != "weights":  # each adapted linear's inputs, training records only
+    if surgery.extract_fit == "activations":  # the merge's inputs of each adapted linear, training records only
         from mergekit_darts.repair.train.activation_fit import LayerInputs, head_whitening
 
         grams = (LayerInputs(tail, data.block_inputs, data.position_ids, data.attention_mask, train_idx,
-                             surgery.micro_batch_size or surgery.capture_batch_size, device,
-                             sequential=surgery.extract_fit == "sequential") if tail is not None else None,
+                             surgery.micro_batch_size or surgery.capture_batch_size, device) if tail is not None else None,
                  head_whitening(data.merged_hidden, data.attention_mask, train_idx) if surgery.head_rank > 0 else None)
     deltas, not_measured = extract_start(name, surgery, settings, tail, merged_dir, device, grams)
     # what the module reads: the final states, or with depth the first adapted block's input
