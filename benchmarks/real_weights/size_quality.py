@@ -66,7 +66,7 @@ def draw(found: List[dict], out: str, title: str) -> None:
             continue
         sizes = [max(point["size_percent"][d], floor) for d in point["kept"]]
         shares = [100 * point["kept"][d] for d in point["kept"]]
-        color = f"C{index % 10}"
+        color = plt.cm.tab20(index % 20)  # up to 20 rows with a colour of their own
         axes.scatter(sizes, shares, s=12, color=color, alpha=0.5)
         mean_size = sum(sizes) / len(sizes)
         mean_share = sum(shares) / len(shares)
