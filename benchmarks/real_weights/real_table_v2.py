@@ -70,6 +70,10 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
                                 "KL on 256 positions a step",
                                 {**PRESET, "depth_rank": 1, "extract_fit": "activations", "train_blocks": 0,
                                  "steps": 100, "kl_positions_per_step": KL_POSITIONS}, {}),
+    # preset_top0_fast from the rank-8 extract fitted to the activations
+    "preset_act_top0_fast": ("preset: best fitted to the activations, train_blocks: 0, 100 steps, KL on 256 positions a step",
+                             {**PRESET, "extract_fit": "activations", "train_blocks": 0, "steps": 100,
+                              "kl_positions_per_step": KL_POSITIONS}, {}),
     # its early stopping chose the last of 100 steps on four domains: the same at 300
     "preset_act_r1_top0_300": ("preset: best, depth_rank: 1 fitted to the activations, train_blocks: 0, 300 steps, "
                                "KL on 256 positions a step",
