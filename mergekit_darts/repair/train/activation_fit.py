@@ -37,6 +37,11 @@ class Whitening:
     factor: torch.Tensor
     scale: float
 
+    def low_rank_factors(self, delta: torch.Tensor, rank: int, device: torch.device = torch.device("cpu"),
+                         floor: float = 0.0) -> Factors:
+        """``weighted_low_rank_factors`` of ``delta`` on these inputs (what ``domain_deltas`` calls)."""
+        return weighted_low_rank_factors(delta, rank, self, device, floor)
+
 
 def whitening(gram: torch.Tensor) -> Whitening:
     gram = gram.double()  # on its device: a 7B's 11008-wide down_proj input is ~0.4 T FLOP to factor

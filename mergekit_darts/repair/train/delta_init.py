@@ -141,8 +141,6 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
     tensor read from the files and subtracted in float32 (the LM heads too: not the capture's cast).
     ``grams``: ``(blocks, head)``, ``activation_fit.LayerInputs`` and ``head_whitening`` (or None): each SVD then
     fits the outputs on those inputs (``extract_fit: activations``) instead of the weights."""
-    from mergekit_darts.repair.train.activation_fit import weighted_low_rank_factors
-
     merged, expert = SafetensorsWeights(merged_dir), SafetensorsWeights(expert_dir)
     deltas = DomainDeltas(rank=rank, head_rank=head_rank, fit="weights" if grams is None else "activations")
     block_grams, head_gram = grams if grams is not None else (None, None)
@@ -150,7 +148,7 @@ def domain_deltas(merged_dir: str, expert_dir: str, targets, rank: int, head_ran
     def factors(delta, rank_here, floor, gram):
         if gram is None:
             return low_rank_factors(delta, rank_here, device, floor)
-        return weighted_low_rank_factors(delta, rank_here, gram, device, floor)
+        return gram.low_rank_factors(delta, rank_here, device, floor)  # an activation_fit.Whitening
 
     linears = [(index, path, shape) for index, paths in (targets or {}).items() for path, shape in paths.items()]
     for index, path, (in_features, out_features, *_) in tqdm(linears, desc=desc, disable=not progress, leave=False):
