@@ -74,6 +74,12 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
     "preset_act_top0_fast": ("preset: best fitted to the activations, train_blocks: 0, 100 steps, KL on 256 positions a step",
                              {**PRESET, "extract_fit": "activations", "train_blocks": 0, "steps": 100,
                               "kl_positions_per_step": KL_POSITIONS}, {}),
+    # every block's rank-1 adapter trained too (what the demo's preset trains), on minibatches of 8 records
+    # (the demo grid's foldable_kall_b8) so that 100 steps fit two cores: does training the blocks lift math?
+    "preset_act_r1_all_b8_fast": ("preset: best, depth_rank: 1 fitted to the activations, every block trained, "
+                                  "batch_size: 8, 100 steps, KL on 256 positions a step",
+                                  {**PRESET, "depth_rank": 1, "extract_fit": "activations", "train_blocks": "all",
+                                   "batch_size": 8, "steps": 100, "kl_positions_per_step": KL_POSITIONS}, {}),
     # its early stopping chose the last of 100 steps on four domains: the same at 300
     "preset_act_r1_top0_300": ("preset: best, depth_rank: 1 fitted to the activations, train_blocks: 0, 300 steps, "
                                "KL on 256 positions a step",
