@@ -132,6 +132,16 @@ def test_train_blocks_estimate_counts_k_blocks_the_kl_and_the_frozen_blocks_once
     # touching 4096 of a step's positions charges the KL for those only
     fewer = cost.top_blocks_minutes(llama3, 0, 500, 500, cost.BF16_BLOCKS, 4096)
     assert fewer["minutes"] < cost.top_blocks_minutes(llama3, 0, 500, 500, cost.BF16_BLOCKS)["minutes"] / 3
+    # every block on minibatches of 10 records: the training as domain_minutes charges it, nothing run once
+    flops3 = {k: v / cost.TOKENS for k, v in cost.preset_flops(4096, 14336, 32, 128256, 1, cost.TOKENS, kl_matmuls=5,
+                                                                 kv_hidden=1024).items() if k != "preset_over_kl"}
+    batch10 = cost.top_blocks_minutes(llama3, "all", 500, 500, batch=10)
+    assert batch10["first_input_minutes"] == 0
+    assert abs(batch10["minutes"] - cost.domain_minutes(500, 500, flops3, cost.BF16_BLOCKS, True, batch=10)) < 1e-9
+    assert batch10["minutes"] < cost.top_blocks_minutes(llama3, "all", 500, 500)["minutes"] / 3
+    rows = cost.top_blocks_rows({"x": (500, 500)})
+    assert {r["batch_size"] for r in rows if r["train_blocks"] == "all"} == {None, *cost.ALL_BLOCKS_BATCHES}
+    assert {r["batch_size"] for r in rows if r["train_blocks"] != "all"} == {None}
 
 
 def test_real_family_step_counts_come_from_the_preset_rows_selection():
@@ -140,3 +150,23 @@ def test_real_family_step_counts_come_from_the_preset_rows_selection():
                                                                      {"lr": 1e-3, "steps_run": 300}]}}
     assert cost.chosen_steps(entry) == (300, 200)
     assert cost.chosen_steps({"selection": None}) is None and cost.chosen_steps(None) is None
+
+
+def test_the_cheaper_recipe_is_priced_at_its_batch_and_its_runs_median_steps():
+    cost = _cost_module()
+
+    def domain(run, chosen):
+        return {"steps_run": run, "chosen_steps": chosen}
+
+    batch = cost.CHEAPER_BATCH
+    steps = {cost.CHEAPER_TAGS[0]: {"overrides": {"batch_size": batch}, "seeds": {
+        "0": {"domains": {"math": domain(500, 500), "code": domain(200, 100), "instruct": domain(400, 300)}}}},
+        "other": {"overrides": {"batch_size": 50}, "seeds": {"0": {"domains": {"math": domain(1, 1)}}}}}
+    rows = cost.cheaper_rows(steps)
+    assert {(r["model"], r["kl"]) for r in rows} == {(m, k) for m in cost.MODELS for k in cost.KL_VARIANTS}
+    row = next(r for r in rows if r["model"] == "Llama-3-8B" and r["kl"] == "exact float32 KL")
+    assert (row["steps_run"], row["chosen"], row["batch_size"], row["domain_runs"]) == (400, 300, batch, 3)
+    expected = cost.top_blocks_minutes(cost.MODELS["Llama-3-8B"], "all", 400, 300, cost.FP32, None, batch)["minutes"]
+    assert row["minutes"] == pytest.approx(expected)
+    assert row["minutes"] < cost.top_blocks_minutes(cost.MODELS["Llama-3-8B"], "all", 400, 300)["minutes"] / 3
+    assert cost.cheaper_rows({"other": steps["other"]}) == []  # no run of the recipe: no row

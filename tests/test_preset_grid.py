@@ -71,6 +71,41 @@ def test_a_qualifying_foldable_cell_wins_over_a_cheaper_relu_one(tmp_path):
     assert data["chosen"] == "foldable_kall"
 
 
+def test_a_cell_measured_on_the_other_family_must_qualify_there_too(tmp_path):
+    workdir = str(tmp_path)
+    for seed in range(6):
+        write_cell(workdir, seed, "foldable_kall", 40 + seed, 90, cpu=300)
+        write_cell(workdir, seed, "foldable_kall_b8", 40 + seed, 90, cpu=100)  # level on the grid, a third the cost
+    assert preset_grid.summarize(workdir)["chosen"] == "foldable_kall_b8"
+    # on the other family it is 3 points lower on math (not told apart by the test, but past the 2-point margin)
+    other = {"foldable_kall": {"math": [30, 31, 32, 33, 34, 35], "code": [90] * 6},
+             "foldable_kall_b8": {"math": [27, 28, 29, 30, 31, 32], "code": [90] * 6}}
+    data = preset_grid.summarize(workdir, other)
+    cells = data["cells"]
+    assert cells["foldable_kall_b8"]["qualifies_on_grid"] is True and cells["foldable_kall_b8"]["qualifies"] is False
+    assert cells["foldable_kall_b8"]["second_family"]["vs_best"]["math"]["points_below_best"] == 3.0
+    assert cells["foldable_kall"]["qualifies"] is True and data["chosen"] == "foldable_kall"
+    # level there as well: chosen again; a cell the other family did not measure is judged on the grid alone
+    other["foldable_kall_b8"]["math"] = [31, 30, 33, 32, 35, 34]
+    data = preset_grid.summarize(workdir, other)
+    assert data["chosen"] == "foldable_kall_b8" and "second_family" in data["cells"]["foldable_kall_b8"]
+    assert "Other family" not in preset_grid.markdown(data) and "other family" in preset_grid.markdown(data)
+
+
+def test_the_other_family_scores_are_read_from_preset_steps_tags(tmp_path):
+    def run(math):
+        return {"seeds": {str(i): {"scores": {"math": m, "code": 100.0}} for i, m in enumerate(math)}}
+
+    tags = preset_grid.SECOND_FAMILY_TAGS["foldable_kall_b8"]
+    runs = {tags[0]: run([20, 21, 22]), tags[1]: run([23, 24, 25]), "unrelated": run([1])}
+    runs[preset_grid.SECOND_FAMILY_TAGS["foldable_kall"][0]] = run([30])  # its second tag missing: not read
+    path = tmp_path / "preset_steps.json"
+    path.write_text(json.dumps({"runs": runs}))
+    scores = preset_grid.second_family_scores(str(path))
+    assert scores == {"foldable_kall_b8": {"math": [20, 21, 22, 23, 24, 25], "code": [100.0] * 6}}
+    assert preset_grid.second_family_scores(str(tmp_path / "absent.json")) == {}
+
+
 def test_no_results_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no cell results"):
         preset_grid.summarize(str(tmp_path))

@@ -33,12 +33,12 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for _common
-from _common import add_output_options, log, machine_info, print_table, write_json  # noqa: E402
+from _common import RESULTS_DIR, add_output_options, log, machine_info, print_table, write_json  # noqa: E402
 from final_state_drop import FOLDABLE, PRESET_OWNED, RELU  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
@@ -60,6 +60,13 @@ for _batch in (10, 8):
     CELLS[f"foldable_kall_b{_batch}"] = {**FOLDABLE, "train_blocks": "all", "batch_size": _batch}
 WITHIN_POINTS = 2.0  # issue 52: no domain's mean more than 2 points below the best
 ALPHA = 0.05
+# cells also measured on the demo's other family (torch's AVX2 kernels train another one: the family of the
+# docs' headline table) by benchmarks/speed_memory/preset_steps.py DEMO --score, as tags of preset_steps.json.
+# Such a cell qualifies only if it is within noise there too, of the best cell measured there: a recipe is not
+# chosen on the family where it happened to do well.
+SECOND_FAMILY_TAGS = {"relu_kall": ("early_stop_s0", "early_stop_s1", "early_stop_s2345"),
+                      "foldable_kall": ("foldable_avx2_a", "foldable_avx2_b"),
+                      "foldable_kall_b8": ("b8_avx2_a", "b8_avx2_b")}
 
 
 def cell_yaml(workdir: str, paths, seed: int, sizes, keys: dict, cache_dir: str) -> str:
@@ -162,8 +169,51 @@ def write_text(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def summarize(workdir: str) -> dict:
+def second_family_scores(steps_path: str) -> Dict[str, Dict[str, List[float]]]:
+    """Per cell of ``SECOND_FAMILY_TAGS`` with all its tags in ``steps_path`` (preset_steps.json): its task
+    scores per domain, one per seed of its runs."""
+    if not os.path.exists(steps_path):
+        return {}
+    with open(steps_path) as handle:
+        runs = json.load(handle)["runs"]
+    scores: Dict[str, Dict[str, List[float]]] = {}
+    for cell, tags in SECOND_FAMILY_TAGS.items():
+        if all(tag in runs for tag in tags):
+            for tag in tags:
+                for result in runs[tag]["seeds"].values():
+                    for domain, score in (result.get("scores") or {}).items():
+                        scores.setdefault(cell, {}).setdefault(domain, []).append(score)
+    return scores
+
+
+def within_noise(cells: Dict[str, dict], domains, accuracy) -> Dict[str, Dict[str, dict]]:
+    """Per cell and domain: the rule's test against that domain's best cell (``accuracy(cell, domain)``:
+    its per-seed scores)."""
     from mergekit_darts.evaluation.compare import summarize_groups
+
+    def mean(values):
+        return sum(values) / len(values)
+
+    best = {d: max(cells, key=lambda n: mean(accuracy(n, d))) for d in domains}
+    tests = {}
+    for name in cells:
+        within = {}
+        for d in domains:
+            if name == best[d]:
+                p = 1.0
+            else:
+                test = summarize_groups({name: accuracy(name, d), best[d]: accuracy(best[d], d)})
+                p = (test["mann_whitney"].get(f"{name} vs {best[d]}") or {}).get("p")
+            drop = mean(accuracy(best[d], d)) - mean(accuracy(name, d))
+            within[d] = {"best": best[d], "p": p, "points_below_best": round(drop, 2),
+                         "within_noise": p is not None and p > ALPHA and drop <= WITHIN_POINTS}
+        tests[name] = within
+    return tests
+
+
+def summarize(workdir: str, second_family: Optional[Dict[str, Dict[str, List[float]]]] = None) -> dict:
+    """The grid's cells over every seed in ``workdir``, the rule applied; ``second_family``: the scores of
+    cells measured on the other family (``second_family_scores``), where they must qualify too."""
 
     seeds = sorted(int(name[4:]) for name in os.listdir(workdir) if name.startswith("seed") and name[4:].isdigit())
     results: Dict[str, List[dict]] = {}
@@ -196,20 +246,21 @@ def summarize(workdir: str) -> dict:
             "mean_seconds": {clock: mean([r["seconds"][clock] for r in runs]) for clock in ("wall", "cpu")},
         }
     trained = [name for name in cells if not name.startswith("extract")]  # the untrained extracts stand beside
-    best = {d: max(trained, key=lambda n: cells[n]["mean_accuracy"][d]) for d in domains}
+    grid_tests = within_noise({n: cells[n] for n in trained}, domains, lambda n, d: cells[n]["accuracy"][d])
+    best = {d: next(iter(grid_tests.values()))[d]["best"] for d in domains}
+    second = {n: s for n, s in (second_family or {}).items() if n in trained}
+    second_tests = within_noise(second, domains, lambda n, d: second[n][d]) if second else {}
     for name in trained:
-        within = {}
-        for d in domains:
-            if name == best[d]:
-                p = 1.0
-            else:
-                test = summarize_groups({name: cells[name]["accuracy"][d], best[d]: cells[best[d]]["accuracy"][d]})
-                p = (test["mann_whitney"].get(f"{name} vs {best[d]}") or {}).get("p")
-            drop = cells[best[d]]["mean_accuracy"][d] - cells[name]["mean_accuracy"][d]
-            within[d] = {"best": best[d], "p": p, "points_below_best": round(drop, 2),
-                         "within_noise": p is not None and p > ALPHA and drop <= WITHIN_POINTS}
-        cells[name]["vs_best"] = within
-        cells[name]["qualifies"] = all(entry["within_noise"] for entry in within.values())
+        cells[name]["vs_best"] = grid_tests[name]
+        cells[name]["qualifies"] = all(entry["within_noise"] for entry in grid_tests[name].values())
+        if name in second_tests:
+            on_second = all(entry["within_noise"] for entry in second_tests[name].values())
+            cells[name]["second_family"] = {
+                "tags": list(SECOND_FAMILY_TAGS[name]), "accuracy": second[name],
+                "mean_accuracy": {d: round(sum(second[name][d]) / len(second[name][d]), 4) for d in domains},
+                "vs_best": second_tests[name], "qualifies": on_second}
+            cells[name]["qualifies_on_grid"] = cells[name]["qualifies"]
+            cells[name]["qualifies"] = cells[name]["qualifies"] and on_second
     qualifying = sorted((n for n in trained if cells[n]["qualifies"]), key=lambda n: cells[n]["mean_seconds"]["cpu"])
     # issue 52: when a foldable recipe qualifies, the preset is foldable (the cheapest such); else the cheapest
     foldable = [n for n in qualifying if n.startswith("foldable_")]
@@ -217,7 +268,8 @@ def summarize(workdir: str) -> dict:
     return {
         "machine": machine_info(), "seeds": seeds, "domains": domains,
         "rule": f"a cell qualifies when every domain is within noise of that domain's best cell (two-sided "
-                f"Mann-Whitney p > {ALPHA} and a mean at most {WITHIN_POINTS} points lower); chosen: the cheapest "
+                f"Mann-Whitney p > {ALPHA} and a mean at most {WITHIN_POINTS} points lower), and, where the cell "
+                "was measured on the other family too (second_family), there as well; chosen: the cheapest "
                 "qualifying foldable cell (mean CPU s) if one qualifies, else the cheapest qualifying cell",
         "reference": {seed: references[seed] for seed in sorted(references)},
         "cells": cells, "best_per_domain": best, "qualifying_by_cpu": qualifying,
@@ -227,25 +279,34 @@ def summarize(workdir: str) -> dict:
     }
 
 
+def p_text(p: Optional[float]) -> str:
+    """A p-value as the tables print it; '-' where the test is undefined (every score equal)."""
+    return "-" if p is None else f"{p:.3g}"
+
+
 def markdown(data: dict) -> str:
     """The grid as a markdown table (docs/quality.md): per cell the mean score per domain (p against the
     domain's best cell), the mean held-out gap closed (the same runs' untrained extract beside it), seconds."""
     domains = data["domains"]
     head = ("| cell | " + " | ".join(domains) + " | held-out gap closed (its extract) | CPU s | wall s | "
-            "within noise |")
-    lines = [head, "|" + "---|" * (len(domains) + 5)]
+            "other family: " + " / ".join(domains) + " | within noise |")
+    lines = [head, "|" + "---|" * (len(domains) + 6)]
     for name, cell in data["cells"].items():
         scores = []
         for d in domains:
             vs = cell.get("vs_best", {}).get(d)
-            note = "" if vs is None else (" (best)" if vs["best"] == name else f" (p {vs['p']:.2g})")
+            note = "" if vs is None else (" (best)" if vs["best"] == name else f" (p {p_text(vs['p'])})")
             scores.append(f"{cell['mean_accuracy'][d]:.1f}{note}")
         gap = sum(cell["mean_gap_closed"][d] for d in domains) / len(domains)
         extract = [cell["mean_extract_gap_closed"][d] for d in domains]
         extract_text = f"{sum(extract) / len(extract):.3f}" if None not in extract else "-"
         qualifies = "-" if name.startswith("extract") else ("**yes**" if cell["qualifies"] else "no")
+        second = cell.get("second_family")
+        other = "-" if second is None else " / ".join(
+            f"{second['mean_accuracy'][d]:.1f}" + ("" if second["vs_best"][d]["best"] == name
+                                                   else f" (p {p_text(second['vs_best'][d]['p'])})") for d in domains)
         lines.append(f"| {name} | " + " | ".join(scores) + f" | {gap:.3f} ({extract_text}) | "
-                     f"{cell['mean_seconds']['cpu']:.0f} | {cell['mean_seconds']['wall']:.0f} | {qualifies} |")
+                     f"{cell['mean_seconds']['cpu']:.0f} | {cell['mean_seconds']['wall']:.0f} | {other} | {qualifies} |")
     return "\n".join(lines) + "\n"
 
 
@@ -261,6 +322,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="the test demo's tiny family and 3 steps (a smoke run)")
     parser.add_argument("--pauses-log", default=None, help="a log of the times the grid was stopped (SIGSTOP) while "
                         "something else ran, one line each: copied into the summary (wall seconds include them)")
+    parser.add_argument("--second-family", default=os.path.join(RESULTS_DIR, "preset_steps.json"),
+                        help="preset_steps.json holding SECOND_FAMILY_TAGS' runs on the other family (default: "
+                             "%(default)s)")
     add_output_options(parser)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -272,7 +336,7 @@ def main():
     if not args.summary_only:
         for seed in (int(s) for s in args.seeds.split(",") if s):
             run_seed(args.workdir, seed, cells, sizes, args.redo)
-    data = summarize(args.workdir)
+    data = summarize(args.workdir, second_family_scores(args.second_family))
     if args.pauses_log:
         with open(args.pauses_log) as handle:
             data["pauses"] = [line.rstrip("\n") for line in handle if line.strip()]
