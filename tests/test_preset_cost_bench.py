@@ -170,3 +170,11 @@ def test_the_cheaper_recipe_is_priced_at_its_batch_and_its_runs_median_steps():
     assert row["minutes"] == pytest.approx(expected)
     assert row["minutes"] < cost.top_blocks_minutes(cost.MODELS["Llama-3-8B"], "all", 400, 300)["minutes"] / 3
     assert cost.cheaper_rows({"other": steps["other"]}) == []  # no run of the recipe: no row
+
+
+def test_the_cheaper_recipe_refuses_runs_that_trained_something_else():
+    cost = _cost_module()
+    steps = {cost.CHEAPER_TAGS[0]: {"overrides": {"batch_size": cost.CHEAPER_BATCH, "steps": 150},
+                                    "seeds": {"0": {"domains": {"math": {"steps_run": 150, "chosen_steps": 150}}}}}}
+    with pytest.raises(SystemExit, match="CHEAPER_TAGS"):
+        cost.cheaper_rows(steps)

@@ -16,9 +16,10 @@ Each cell's result is a JSON file in ``WORKDIR/seed<N>/cells/``: a rerun skips w
 run a cell again), so the grid can be stopped and resumed. The summary (every seed found in WORKDIR) goes to
 ``benchmarks/results/preset_grid.json`` with, per cell, the means, the two-sided Mann-Whitney p against the
 domain's best cell and the choice rule of issue 52: a cell qualifies when every domain is within noise of
-that domain's best cell (p > 0.05 and a mean at most 2 points lower); the choice is the cheapest qualifying
-foldable cell (mean CPU seconds) when one qualifies — a foldable preset leaves transformers whole — else
-the cheapest qualifying cell.
+that domain's best cell (p > 0.05 and a mean at most 2 points lower) — and, for a cell also measured on the
+demo's AVX2 family (``SECOND_FAMILY_TAGS``, runs of preset_steps.json), there as well; the choice is the
+cheapest qualifying foldable cell (mean CPU seconds) when one qualifies — a foldable preset leaves
+transformers whole — else the cheapest qualifying cell.
 
 Usage: python benchmarks/demo_quality/preset_grid.py --workdir DIR [--seeds 0,1,2,3,4,5]
        [--cells extract,relu_k0,...] [--summary-only] [--quick] [--pauses-log FILE]

@@ -253,7 +253,10 @@ def cheaper_rows(steps: dict) -> List[dict]:
                for d in result["domains"].values()]
     if not domains:
         return []
-    assert all(steps[tag]["overrides"] == {"batch_size": batch} for tag in CHEAPER_TAGS if tag in steps)
+    other = [tag for tag in CHEAPER_TAGS if tag in steps and steps[tag]["overrides"] != {"batch_size": batch}]
+    if other:
+        raise SystemExit(f"preset_cost_7b: CHEAPER_TAGS {other} in preset_steps.json did not train with "
+                         f"batch_size {batch} alone (their overrides: {[steps[t]['overrides'] for t in other]})")
     run, chosen = statistics.median(d["steps_run"] for d in domains), statistics.median(d["chosen_steps"] for d in domains)
     return [{"model": name, "kl": kl_name, "batch_size": batch, "steps_run": run, "chosen": chosen,
              "domain_runs": len(domains), **top_blocks_minutes(model, "all", run, chosen, kl_rate, kl_positions, batch)}
