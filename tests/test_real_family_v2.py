@@ -132,6 +132,22 @@ def test_lora_finetune_resumes_from_adapter_checkpoints(work, tokenizer, tmp_pat
     assert not os.path.exists(out + ".partial") and "adapter_config.json" not in os.listdir(out)
 
 
+def test_a_partial_build_trains_the_full_builds_experts_and_refuses_uncovered_merges(work, tmp_path):
+    import shutil
+
+    shutil.copytree(os.path.join(work, "base"), os.path.join(tmp_path, "base"))
+    record = real_family_v2.build_experts(str(tmp_path), steps={d: 2 for d in DOMAINS}, test=3, calib=10,
+                                          train=TRAIN, domains=("code",))
+    assert set(record["experts"]) == {"code"} and not os.path.exists(os.path.join(tmp_path, "expert_math"))
+    assert set(os.listdir(os.path.join(tmp_path, "data"))) == {f"{d}.json" for d in DOMAINS}
+    partial, full = weights(os.path.join(tmp_path, "expert_code")), weights(os.path.join(work, "expert_code"))
+    assert all(torch.equal(partial[name], full[name]) for name in full)  # the seed of its place in the family
+    with pytest.raises(SystemExit, match=r"\['all5_linear'\] merge experts that --domains math,code,instruct leaves out"):
+        real_family_v2.main(["--workdir", str(tmp_path), "--domains", "instruct,code,math", "--merges", "all5_linear"])
+    with pytest.raises(SystemExit, match="unknown \\['poems'\\]"):
+        real_family_v2.main(["--workdir", str(tmp_path), "--domains", "math,poems"])
+
+
 def test_merges_are_mergekits_and_are_not_redone(work):
     import yaml
 

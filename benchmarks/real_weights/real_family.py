@@ -158,10 +158,12 @@ def finetune_expert(base: str, tokenizer, examples: List[dict], out: str, steps:
 
 def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: int = 0, test: int = TEST,
           calib: int = CALIB, experts: Optional[Dict[str, dict]] = None, make_splits=None,
-          train: int = TRAIN_POOL) -> dict:
+          train: int = TRAIN_POOL, only=None) -> dict:
     """The base, the data and one expert per domain of ``experts`` (domain -> optional ``lr`` and ``lora``
     of ``finetune_expert``; default: the demo's three, whole-model at ``LR``), each skipped when it exists;
-    ``make_splits`` makes their data (default: the demo's generators)."""
+    ``make_splits`` makes their data (default: the demo's generators). ``only``: fine-tune just these
+    domains (every domain's data is still written, and each expert keeps the seed its place in ``experts``
+    gives it, so a partial build trains the same experts as the full one)."""
     from transformers import AutoTokenizer
 
     from real_model_check import find_gguf, save_base
@@ -188,7 +190,7 @@ def build(workdir: str, gguf: str = None, steps: Dict[str, int] = None, seed: in
             json.dump(parts, handle)
     for index, (domain, parts) in enumerate(splits.items()):
         out = os.path.join(workdir, f"expert_{domain}")
-        if os.path.exists(os.path.join(out, "config.json")):
+        if os.path.exists(os.path.join(out, "config.json")) or (only is not None and domain not in only):
             continue
         lr, lora = experts[domain].get("lr", LR), experts[domain].get("lora")
         log(f"fine-tuning the {domain} expert: {steps[domain]} steps of {BATCH_SIZE} chats"

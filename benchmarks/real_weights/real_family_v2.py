@@ -19,6 +19,8 @@ applied to the merge's weights directly (every block linear plus the rank-r SVD 
 one domain at a time; ``real_table_v2.py`` runs it through the pipeline at every rank.
 
 Usage: python benchmarks/real_weights/real_family_v2.py --workdir DIR [--stages experts,merges] [--steps math=300,...]
+       python benchmarks/real_weights/real_family_v2.py --workdir DIR --domains math,code,instruct   (the three-expert
+         set alone: its three experts, as the full build trains them, and its five merges)
        python benchmarks/real_weights/real_family_v2.py --workdir DIR --time-steps 4   (seconds per fine-tune step)
 """
 
@@ -91,9 +93,10 @@ class Scores:
 
 
 def build_experts(workdir: str, gguf: Optional[str] = None, steps: Optional[Dict[str, int]] = None,
-                  test: int = real_family.TEST, calib: int = real_family.CALIB, train: int = real_family.TRAIN_POOL) -> dict:
+                  test: int = real_family.TEST, calib: int = real_family.CALIB, train: int = real_family.TRAIN_POOL,
+                  domains=DOMAINS) -> dict:
     return real_family.build(workdir, gguf, {**STEPS, **(steps or {})}, test=test, calib=calib, experts=EXPERTS,
-                             make_splits=family_v2_tasks.make_splits, train=train)
+                             make_splits=family_v2_tasks.make_splits, train=train, only=set(domains))
 
 
 def build_merges(workdir: str, names: List[str], seed: int = 0) -> Dict[str, str]:
@@ -128,8 +131,8 @@ def load_test(workdir: str, domains=DOMAINS) -> Dict[str, List[dict]]:
     return test
 
 
-def score_references(workdir: str, names: List[str], scores: Scores) -> None:
-    """Rows ``base`` (every domain), ``experts`` (each on its own) and ``merge:<name>`` (its set's domains)."""
+def score_references(workdir: str, names: List[str], scores: Scores, domains=DOMAINS) -> None:
+    """Rows ``base`` and ``experts`` (each on its own) over ``domains`` and ``merge:<name>`` (its set's domains)."""
     from real_table import score
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -139,8 +142,8 @@ def score_references(workdir: str, names: List[str], scores: Scores) -> None:
     def scored(path, domains):
         return score(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tokenizer, test, domains)
 
-    scores.row("base", lambda: scored(os.path.join(workdir, "base"), DOMAINS))
-    scores.row("experts", lambda: {d: v for d in DOMAINS for v in scored(os.path.join(workdir, f"expert_{d}"), [d]).values()})
+    scores.row("base", lambda: scored(os.path.join(workdir, "base"), domains))
+    scores.row("experts", lambda: {d: v for d in domains for v in scored(os.path.join(workdir, f"expert_{d}"), [d]).values()})
     for name in names:
         scores.row(f"merge:{name}", lambda name=name: scored(os.path.join(workdir, "merges", name), MERGES[name][0]))
 
@@ -288,7 +291,9 @@ def main(argv=None):
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--gguf", default=None)
     parser.add_argument("--stages", default=",".join(STAGES), help=f"a subset of {','.join(STAGES)}")
-    parser.add_argument("--merges", default=",".join(MERGES), help="merge names (default: all)")
+    parser.add_argument("--merges", default=None, help="merge names (default: every merge of --domains' experts)")
+    parser.add_argument("--domains", default=",".join(DOMAINS), help="the experts to build and score (default: all "
+                        "five; each merge needs its set's); the three-expert set alone: math,code,instruct")
     parser.add_argument("--steps", default="", help="per-domain steps, e.g. math=300,dates=200")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--curve-ranks", default=",".join(map(str, CURVE_RANKS)),
@@ -300,10 +305,19 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.threads)
-    stages, names = args.stages.split(","), args.merges.split(",")
-    unknown = [s for s in stages if s not in STAGES] + [n for n in names if n not in MERGES]
+    stages = args.stages.split(",")
+    domains = [d for d in DOMAINS if d in args.domains.split(",")]  # the family's order: each expert's seed
+    names = (args.merges.split(",") if args.merges else
+             [name for name, (merged, _) in MERGES.items() if set(merged) <= set(domains)])
+    unknown = ([s for s in stages if s not in STAGES] + [n for n in names if n not in MERGES]
+               + [d for d in args.domains.split(",") if d not in DOMAINS])
     if unknown:
-        raise SystemExit(f"--stages / --merges: unknown {unknown}; stages {STAGES}, merges {list(MERGES)}")
+        raise SystemExit(f"--stages / --merges / --domains: unknown {unknown}; stages {STAGES}, merges {list(MERGES)}, "
+                         f"domains {list(DOMAINS)}")
+    uncovered = [n for n in names if not set(MERGES[n][0]) <= set(domains)]
+    if uncovered:
+        raise SystemExit(f"--merges: {uncovered} merge experts that --domains {','.join(domains)} leaves out; "
+                         "add their domains or name only merges of those domains")
     os.makedirs(args.workdir, exist_ok=True)
     if args.time_steps:
         seconds = time_steps(args.workdir, args.time_steps, args.gguf,
@@ -313,12 +327,12 @@ def main(argv=None):
         return
     steps = {k: int(v) for k, v in (item.split("=") for item in args.steps.split(",") if item)}
     if "experts" in stages:
-        build_experts(args.workdir, args.gguf, steps)
+        build_experts(args.workdir, args.gguf, steps, domains=domains)
     if "merges" in stages:
         build_merges(args.workdir, names)
     scores = Scores(args.workdir)
     if "scores" in stages:
-        score_references(args.workdir, names, scores)
+        score_references(args.workdir, names, scores, domains)
     if "extract" in stages:
         print(json.dumps(measure_extract(args.workdir, names, scores), indent=1))
     if "curve" in stages:  # on the best five-expert merge (or the first of --merges when none is known)
