@@ -92,6 +92,31 @@ def test_a_cell_measured_on_the_other_family_must_qualify_there_too(tmp_path):
     assert "Other family" not in preset_grid.markdown(data) and "other family" in preset_grid.markdown(data)
 
 
+def test_a_cell_another_grid_measured_must_qualify_there_too(tmp_path):
+    workdir = str(tmp_path)
+    for seed in range(6):
+        write_cell(workdir, seed, "foldable_kall", 40 + seed, 90, cpu=300)
+        write_cell(workdir, seed, "foldable_kall_fixed_b16", 40 + seed, 90, cpu=90)
+        write_cell(workdir, seed, "foldable_k0", 40 + seed, 90, cpu=60)
+    assert preset_grid.summarize(workdir)["chosen"] == "foldable_k0"
+    # the same grid on other families (another machine's run, read from its JSON): k0 far below there, the
+    # fixed-step cell not measured there, so judged where it was
+    other = preset_grid.summarize(workdir)
+    for name, math in (("foldable_kall", [30, 31, 32, 33, 34, 35]), ("foldable_k0", [10, 11, 12, 13, 14, 15])):
+        other["cells"][name]["accuracy"]["math"] = math
+        other["cells"][name]["mean_accuracy"]["math"] = sum(math) / 6
+    del other["cells"]["foldable_kall_fixed_b16"]
+    data = preset_grid.summarize(workdir, other_grids={"preset_grid_avx512.json": other})
+    cells = data["cells"]
+    assert cells["foldable_k0"]["qualifies_on_grid"] is True and cells["foldable_k0"]["qualifies"] is False
+    assert cells["foldable_k0"]["other_grids"]["preset_grid_avx512.json"]["vs_best"]["math"]["p"] < 0.05
+    assert "other_grids" not in cells["foldable_kall_fixed_b16"] and cells["foldable_kall_fixed_b16"]["qualifies"]
+    assert data["chosen"] == "foldable_kall_fixed_b16" and data["other_grids"] == ["preset_grid_avx512.json"]
+    # cost against the foldable full-batch preset where the grid ran no ReLU one
+    assert data["shipped"] == "foldable_kall" and data["cpu_ratio_to_shipped"]["foldable_kall_fixed_b16"] == 0.3
+    assert "preset_grid_avx512.json: math / code" in preset_grid.markdown(data)
+
+
 def test_the_other_family_scores_are_read_from_preset_steps_tags(tmp_path):
     def run(math):
         return {"seeds": {str(i): {"scores": {"math": m, "code": 100.0}} for i, m in enumerate(math)}}
@@ -129,7 +154,8 @@ def test_cell_yaml_keeps_the_cell_keys_over_the_demo(tmp_path):
 
 @pytest.mark.parametrize("cell,content,method", [("relu_kall", "relu", "darts"), ("relu_k0", "relu", "darts"),
                                                  ("foldable_kall", "linear", "standard"),
-                                                 ("foldable_act_k0", "linear", "standard")])
+                                                 ("foldable_act_k0", "linear", "standard"),
+                                                 ("foldable_kall_fixed_b16", "linear", "standard")])
 def test_cells_name_their_final_state_correction(cell, content, method):
     """The preset's own correction changed (ReLU -> linear): a rerun of a relu cell must still train ReLU."""
     from mergekit_darts.config import parse_surgery_block
