@@ -152,29 +152,53 @@ def test_real_family_step_counts_come_from_the_preset_rows_selection():
     assert cost.chosen_steps({"selection": None}) is None and cost.chosen_steps(None) is None
 
 
-def test_the_cheaper_recipe_is_priced_at_its_batch_and_its_runs_median_steps():
+def test_a_recipe_is_priced_at_its_batch_and_its_runs_median_steps():
     cost = _cost_module()
 
     def domain(run, chosen):
         return {"steps_run": run, "chosen_steps": chosen}
 
-    batch = cost.CHEAPER_BATCH
-    steps = {cost.CHEAPER_TAGS[0]: {"overrides": {"batch_size": batch}, "seeds": {
+    name = "batch_size: 8, early stopping"
+    tags, overrides = cost.RECIPES[name]
+    batch = overrides["batch_size"]
+    steps = {tags[0]: {"overrides": overrides, "seeds": {
         "0": {"domains": {"math": domain(500, 500), "code": domain(200, 100), "instruct": domain(400, 300)}}}},
         "other": {"overrides": {"batch_size": 50}, "seeds": {"0": {"domains": {"math": domain(1, 1)}}}}}
-    rows = cost.cheaper_rows(steps)
+    rows = cost.recipe_rows(steps, name)
     assert {(r["model"], r["kl"]) for r in rows} == {(m, k) for m in cost.MODELS for k in cost.KL_VARIANTS}
     row = next(r for r in rows if r["model"] == "Llama-3-8B" and r["kl"] == "exact float32 KL")
     assert (row["steps_run"], row["chosen"], row["batch_size"], row["domain_runs"]) == (400, 300, batch, 3)
     expected = cost.top_blocks_minutes(cost.MODELS["Llama-3-8B"], "all", 400, 300, cost.FP32, None, batch)["minutes"]
     assert row["minutes"] == pytest.approx(expected)
     assert row["minutes"] < cost.top_blocks_minutes(cost.MODELS["Llama-3-8B"], "all", 400, 300)["minutes"] / 3
-    assert cost.cheaper_rows({"other": steps["other"]}) == []  # no run of the recipe: no row
+    assert cost.recipe_rows({"other": steps["other"]}, name) == []  # no run of the recipe: no row
 
 
-def test_the_cheaper_recipe_refuses_runs_that_trained_something_else():
+def test_a_fixed_step_recipe_trains_its_steps_once_on_every_record():
+    """early_stopping: false: no stopped run on 32 records, no validation checks, no refit: the chosen
+    steps once on all 40 records, so at batch 16 the same records a step as batch 8's stopped run and refit."""
     cost = _cost_module()
-    steps = {cost.CHEAPER_TAGS[0]: {"overrides": {"batch_size": cost.CHEAPER_BATCH, "steps": 150},
-                                    "seeds": {"0": {"domains": {"math": {"steps_run": 150, "chosen_steps": 150}}}}}}
-    with pytest.raises(SystemExit, match="CHEAPER_TAGS"):
-        cost.cheaper_rows(steps)
+    name = "batch_size: 16, 500 fixed steps"
+    tags, overrides = cost.RECIPES[name]
+    fixed = {"steps_run": None, "chosen_steps": 500, "refit_records": None}
+    assert cost.steps_of(fixed) == (500, 500, False)
+    steps = {tags[0]: {"overrides": overrides, "seeds": {"0": {"domains": {"math": fixed, "code": fixed}}}}}
+    row = next(r for r in cost.recipe_rows(steps, name)
+               if r["model"] == "Llama-2-7B" and r["kl"] == "exact float32 KL")
+    assert row["early_stopping"] is False and row["batch_size"] == 16
+    flops = {k: v / cost.TOKENS for k, v in cost.preset_flops(4096, 11008, 32, 32000, 1, cost.TOKENS,
+                                                             kl_matmuls=5).items() if k != "preset_over_kl"}
+    once = cost.seconds(500, cost.RECORDS, flops, cost.BF16_BLOCKS, 16) / 60
+    assert row["training_minutes"] == pytest.approx(once)
+    # what early stopping + refit at the same batch would cost: the stopped run, its checks and the refit
+    assert row["minutes"] < cost.top_blocks_minutes(cost.MODELS["Llama-2-7B"], "all", 500, 500, batch=16)["minutes"] / 1.8
+
+
+def test_a_recipe_refuses_runs_that_trained_something_else():
+    cost = _cost_module()
+    name = "batch_size: 8, early stopping"
+    tags, overrides = cost.RECIPES[name]
+    steps = {tags[0]: {"overrides": {**overrides, "steps": 150},
+                       "seeds": {"0": {"domains": {"math": {"steps_run": 150, "chosen_steps": 150}}}}}}
+    with pytest.raises(SystemExit, match="RECIPES"):
+        cost.recipe_rows(steps, name)

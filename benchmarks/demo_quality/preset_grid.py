@@ -44,21 +44,24 @@ from final_state_drop import FOLDABLE, PRESET_OWNED, RELU  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 TRAIN_BLOCKS = (0, 1, 2, "all")
+# how preset: best chose its steps until 2026-12-07 (early stopping on the validation split, then the refit,
+# every training record a step): written into the cells measured with it, so that a rerun trains what they did
+EARLY_STOPPING = {"batch_size": 50, "early_stopping": True, "eval_every": 25, "patience": 4}
 # cell name -> the surgery keys it writes over the demo's preset YAML
 CELLS: Dict[str, dict] = {"extract": {"steps": 0}}
 for _variant, _keys in (("relu", RELU), ("foldable", FOLDABLE)):
     for _k in TRAIN_BLOCKS:
-        CELLS[f"{_variant}_k{_k}"] = {**_keys, "train_blocks": _k}
+        CELLS[f"{_variant}_k{_k}"] = {**_keys, "train_blocks": _k, **EARLY_STOPPING}
 # the same start fitted to each linear's outputs on the merge's inputs (extract_fit: activations), untrained
 # and trained: does a better start let fewer blocks train?
 ACTIVATIONS = {"extract_fit": "activations"}
 CELLS["extract_act"] = {"steps": 0, **ACTIVATIONS}
 for _k in (0, 2, "all"):
-    CELLS[f"foldable_act_k{_k}"] = {**FOLDABLE, **ACTIVATIONS, "train_blocks": _k}
+    CELLS[f"foldable_act_k{_k}"] = {**FOLDABLE, **ACTIVATIONS, "train_blocks": _k, **EARLY_STOPPING}
 # every block trained on minibatches: a step runs B of the ~32 training records (the stopped run and the refit
 # alike), about B/32 of the blocks' work; scale.md measured batch_size 10 and 8 beside the ReLU preset
 for _batch in (10, 8):
-    CELLS[f"foldable_kall_b{_batch}"] = {**FOLDABLE, "train_blocks": "all", "batch_size": _batch}
+    CELLS[f"foldable_kall_b{_batch}"] = {**FOLDABLE, "train_blocks": "all", **EARLY_STOPPING, "batch_size": _batch}
 # every block at a fixed step count (`early_stopping: false`): no validation split, no stopped run, no refit, B of
 # the ~40 records a step for the preset's 500 steps (its early stopping chose 500 in 15 of 18 demo runs, and the
 # refit trained them again on all records: docs/scale.md)

@@ -16,9 +16,9 @@ refit), so its step costs B / records of a full-batch one.
 
 Below the per-run rows, one row per tag of preset_steps.json: the median and largest minutes of its
 domain runs, how many fit the target, and its mean task scores over its seeds — cost and quality of
-each variant side by side. Then the cheaper recipe, the preset on minibatches of ``CHEAPER_BATCH`` records
-(the step counts its early stopping chose on the demo, ``CHEAPER_TAGS``), for Llama-2-7B and Llama-3-8B with
-each KL setting: issue 52's 7B figure for both vocabularies.
+each variant side by side. Then the cheaper recipes (``RECIPES``: every block on minibatches, with early stopping
+or at a fixed step count, the step counts their demo runs chose), for Llama-2-7B and Llama-3-8B with each KL
+setting: issue 52's 7B figure for both vocabularies.
 """
 
 import json
@@ -34,11 +34,14 @@ from bench_training import preset_flops  # noqa: E402
 BF16_BLOCKS, FP32 = 0.4 * 790e12, 67e12
 RECORDS, TOKENS, VALIDATION, EVAL_EVERY = 40, 512, 8, 25
 TARGET_MIN = 10
-# the preset on minibatches of 8 records (its linear final-state correction): within noise of the full batch on
-# the demo grid's family, 2.5 instruct points below on the AVX2 one (docs/quality.md), so a recipe beside the
-# preset, not the preset; the runs of preset_steps.json that trained it
-CHEAPER_BATCH = 8
-CHEAPER_TAGS = ("b8_avx2_a", "b8_avx2_b")
+# recipes priced on both 7B shapes from the step counts their demo runs chose (the AVX2 family, six seeds, the
+# linear final-state correction): name -> (the tags of preset_steps.json that trained it, the overrides those runs
+# had on top of the full-batch early-stopping preset of 2026-12-06)
+RECIPES = {"batch_size: 8, early stopping": (("b8_avx2_a", "b8_avx2_b"), {"batch_size": 8}),
+           "batch_size: 16, 500 fixed steps": (("fixed_b16_avx2_a", "fixed_b16_avx2_b"),
+                                               {"early_stopping": False, "batch_size": 16}),
+           "batch_size: 12, 500 fixed steps": (("fixed_b12_avx2_a", "fixed_b12_avx2_b"),
+                                               {"early_stopping": False, "batch_size": 12})}
 
 
 def seconds(steps: float, records: int, flops, block_rate: float, batch: Optional[int] = None,
@@ -78,16 +81,17 @@ KL_VARIANTS = {"exact float32 KL": (FP32, None), "kl_precision: mixed": (BF16_BL
 
 
 def top_blocks_minutes(model: dict, k, run_steps: float, chosen: float, kl_rate: float = FP32,
-                       kl_positions: Optional[int] = None, batch: Optional[int] = None) -> dict:
+                       kl_positions: Optional[int] = None, batch: Optional[int] = None, early: bool = True) -> dict:
     """Minutes of one domain with ``train_blocks: k`` (``"all"``: every block trains, the preset today):
     the training as ``domain_minutes`` with k blocks per step (bf16 autocast), plus the one-time forward
     of the 32 - k frozen blocks that computes the first trained block's input for the 40 records;
-    ``batch``: records per step (``batch_size``; None: all of them)."""
+    ``batch``: records per step (``batch_size``; None: all of them); ``early``: False for a fixed step
+    count (``early_stopping: false``: ``run_steps`` on every record, no validation, no refit)."""
     layers = model["layers"] if k == "all" else k
     shape = (model["hidden"], model["mlp"], layers, model["vocab"], 1, TOKENS)
     flops = {key: value / TOKENS for key, value in
              preset_flops(*shape, kl_matmuls=5, kv_hidden=model["kv_hidden"]).items() if key != "preset_over_kl"}
-    train = domain_minutes(run_steps, chosen, flops, BF16_BLOCKS, True, batch=batch, kl_rate=kl_rate,
+    train = domain_minutes(run_steps, chosen, flops, BF16_BLOCKS, early, batch=batch, kl_rate=kl_rate,
                            kl_positions=kl_positions)
     below = 0 if k == "all" else model["layers"] - k
     frozen = preset_flops(model["hidden"], model["mlp"], below, 1, RECORDS, TOKENS, kv_hidden=model["kv_hidden"])
@@ -130,7 +134,8 @@ def variant_rows(steps: dict, flops) -> List[dict]:
                 for domain, d in result["domains"].items():
                     gaps.setdefault(domain, []).append(d["gap_closed"])
                     extract_gaps.setdefault(domain, []).append(d["baseline_gap_closed"])
-                    minutes.append(domain_minutes(d["steps_run"], d["chosen_steps"], flops, BF16_BLOCKS, True,
+                    run_steps, chosen, early = steps_of(d)
+                    minutes.append(domain_minutes(run_steps, chosen, flops, BF16_BLOCKS, early,
                                                   d.get("refit_records") is not None, batch))
                 for domain, score in (result.get("scores") or {}).items():
                     scores.setdefault(domain, []).append(score)
@@ -155,6 +160,14 @@ def variant_rows(steps: dict, flops) -> List[dict]:
     return variants
 
 
+def steps_of(domain: dict):
+    """(steps run, steps chosen, early stopping or not) of a preset_steps.json domain run: one without early
+    stopping (``early_stopping: false``) records no stopped run, and trains its ``chosen_steps`` once."""
+    if domain.get("steps_run") is None:
+        return domain["chosen_steps"], domain["chosen_steps"], False
+    return domain["steps_run"], domain["chosen_steps"], True
+
+
 def run_correction(run: dict) -> dict:
     """The final-state correction a run's preset trained (``content`` and ``method`` of its first seed's
     ``preset_settings``; empty for runs that did not record them)."""
@@ -176,8 +189,8 @@ def main() -> None:
     steps = json.load(open(os.path.join(RESULTS_DIR, "preset_steps.json")))["runs"]
     ratio = json.load(open(os.path.join(RESULTS_DIR, "bench_training_preset.json")))["result"]
     # (tag, seed, domain, steps run, steps chosen, refit or not): a run without refit has no refit_records
-    picked = [(tag, seed, domain, d["steps_run"], d["chosen_steps"], d.get("refit_records") is not None,
-               run["overrides"].get("batch_size"))
+    picked = [(tag, seed, domain, *steps_of(d)[:2], d.get("refit_records") is not None,
+               run["overrides"].get("batch_size"), steps_of(d)[2])
               for tag, run in steps.items() for seed, result in run["seeds"].items()
               for domain, d in result["domains"].items()]
     rows, estimate = [], {"flops_per_position": flops, "preset_over_kl_flop_model_7b": per_position["preset_over_kl"],
@@ -186,16 +199,17 @@ def main() -> None:
     for label, run_steps, chosen, rate, early, refit, batch in (
             ["500 full-batch steps, float32 blocks (before)", 500, 500, FP32, False, False, None],
             ["500 full-batch steps, bf16-autocast blocks", 500, 500, BF16_BLOCKS, False, False, None],
-            *[[f"early stopping ({tag} seed {seed} {domain}: ran {run}, chose {chosen}"
-               f"{'' if refit else ', no refit'}{f', batch {batch}' if batch else ''}), bf16 blocks",
-               run, chosen, BF16_BLOCKS, True, refit, batch]
-              for tag, seed, domain, run, chosen, refit, batch in picked]):
+            *[[(f"early stopping ({tag} seed {seed} {domain}: ran {run}, chose {chosen}"
+                f"{'' if refit else ', no refit'}" if early else f"{chosen} fixed steps ({tag} seed {seed} {domain}")
+               + f"{f', batch {batch}' if batch else ''}), bf16 blocks",
+               run, chosen, BF16_BLOCKS, early, refit, batch]
+              for tag, seed, domain, run, chosen, refit, batch, early in picked]):
         minutes = domain_minutes(run_steps, chosen, flops, rate, early, refit, batch)
         rows.append([label, f"{minutes:.1f}", "yes" if minutes <= TARGET_MIN else "no"])
         estimate["rows"].append({"label": label, "steps_run": run_steps, "chosen": chosen, "minutes": minutes,
                                  "refit": refit, "batch_size": batch})
     # the median: the preset as it ships (refit, up to 500 steps: tags early_stop_*), not the variants tried
-    picked = [p for p in picked if p[5] and p[0].startswith("early_stop")]
+    picked = [p for p in picked if p[5] and p[7] and p[0].startswith("early_stop")]
     if picked:
         run, chosen = statistics.median(p[3] for p in picked), statistics.median(p[4] for p in picked)
         minutes = domain_minutes(run, chosen, flops, BF16_BLOCKS, True)
@@ -235,32 +249,36 @@ def main() -> None:
                 [[r["model"], r["train_blocks"], r["batch_size"] or "all", r["kl"], f"{r['steps']} ({r['steps_run']:g}, {r['chosen']:g})",
                   f"{r['minutes']:.1f}", f"{r['kl_share_of_step']:.0%}", "yes" if r["minutes"] <= TARGET_MIN else "no"]
                  for r in estimate["train_blocks"]])
-    estimate["cheaper"] = cheaper_rows(steps)
-    if estimate["cheaper"]:
-        print_table(f"preset: best with batch_size: {CHEAPER_BATCH}, minutes per domain on one H200 (ESTIMATE; the "
-                    "median step counts of its demo runs)",
+    estimate["recipes"] = {name: rows for name in RECIPES if (rows := recipe_rows(steps, name))}
+    for name, recipe in estimate["recipes"].items():
+        print_table(f"preset: best, every block, {name}: minutes per domain on one H200 (ESTIMATE; the median step "
+                    "counts of its demo runs)",
                     ["model", "KL", "steps (run, chosen)", "minutes", f"<= {TARGET_MIN} min"],
                     [[r["model"], r["kl"], f"{r['steps_run']:g}, {r['chosen']:g}", f"{r['minutes']:.1f}",
-                      "yes" if r["minutes"] <= TARGET_MIN else "no"] for r in estimate["cheaper"]])
+                      "yes" if r["minutes"] <= TARGET_MIN else "no"] for r in recipe])
     write_json("preset_cost_7b", {"machine": machine_info(), "estimate": estimate}, overwrite=True)
 
 
-def cheaper_rows(steps: dict) -> List[dict]:
-    """``preset: best`` with ``batch_size: CHEAPER_BATCH`` on both 7B shapes and each KL setting: every block
-    trained on minibatches, the median steps run and chosen over the domain runs of ``CHEAPER_TAGS``."""
-    batch = CHEAPER_BATCH
-    domains = [d for tag in CHEAPER_TAGS if tag in steps for result in steps[tag]["seeds"].values()
-               for d in result["domains"].values()]
-    if not domains:
-        return []
-    other = [tag for tag in CHEAPER_TAGS if tag in steps and steps[tag]["overrides"] != {"batch_size": batch}]
+def recipe_rows(steps: dict, name: str) -> List[dict]:
+    """Recipe ``name`` of ``RECIPES`` on both 7B shapes and each KL setting: every block trained, at its
+    batch, the median steps run and chosen over the domain runs of its tags (none: no rows); a tag whose
+    runs trained something else than the recipe is refused."""
+    tags, overrides = RECIPES[name]
+    runs = {tag: steps[tag] for tag in tags if tag in steps}
+    other = [tag for tag, run in runs.items() if run["overrides"] != overrides]
     if other:
-        raise SystemExit(f"preset_cost_7b: CHEAPER_TAGS {other} in preset_steps.json did not train with "
-                         f"batch_size {batch} alone (their overrides: {[steps[t]['overrides'] for t in other]})")
-    run, chosen = statistics.median(d["steps_run"] for d in domains), statistics.median(d["chosen_steps"] for d in domains)
-    return [{"model": name, "kl": kl_name, "batch_size": batch, "steps_run": run, "chosen": chosen,
-             "domain_runs": len(domains), **top_blocks_minutes(model, "all", run, chosen, kl_rate, kl_positions, batch)}
-            for name, model in MODELS.items() for kl_name, (kl_rate, kl_positions) in KL_VARIANTS.items()]
+        raise SystemExit(f"preset_cost_7b: RECIPES[{name!r}]: tags {other} of preset_steps.json did not train with "
+                         f"{overrides} alone (their overrides: {[runs[t]['overrides'] for t in other]})")
+    picked = [steps_of(d) for run in runs.values() for result in run["seeds"].values()
+              for d in result["domains"].values()]
+    if not picked:
+        return []
+    run, chosen = statistics.median(p[0] for p in picked), statistics.median(p[1] for p in picked)
+    early, batch = overrides.get("early_stopping", True), overrides.get("batch_size")
+    return [{"recipe": name, "model": model_name, "kl": kl_name, "batch_size": batch, "early_stopping": early,
+             "steps_run": run, "chosen": chosen, "domain_runs": len(picked),
+             **top_blocks_minutes(model, "all", run, chosen, kl_rate, kl_positions, batch, early)}
+            for model_name, model in MODELS.items() for kl_name, (kl_rate, kl_positions) in KL_VARIANTS.items()]
 
 
 def real_family_steps() -> dict:

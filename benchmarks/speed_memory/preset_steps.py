@@ -14,6 +14,9 @@ the exported model. Appends to benchmarks/results/preset_steps.json under --tag 
 ``--lr-decay linear`` is an experiment, not a setting of the plugin: every Adam of the process takes
 its lr times (1 - t / steps) at its step t (the cap ``steps``), so the stopped run and its refit follow
 the same schedule. It is recorded under the run's ``experiment``.
+
+Seeds run side by side (two processes, one torch thread each) need a DEMO_DIR copy each: every run exports
+into DEMO_DIR/merged, and an export clears any other export's staging folder there as a leftover.
 """
 
 import argparse
