@@ -30,6 +30,10 @@ class DeviceError(DartsError, RuntimeError):
     """The requested device is not available on this machine."""
 
 
+class BusyError(DartsError, RuntimeError):
+    """Another mergekit-darts process is writing to the same output directory."""
+
+
 def first_line(error: BaseException) -> str:
     """An exception as one line: its first non-empty line, or its type when it has no message."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]

@@ -216,6 +216,37 @@ def test_nan_in_the_base_model_is_blamed_on_the_merge(tiny_family, nan_models, t
     assert tiny_family["math"] not in message
 
 
+def test_a_second_export_into_the_same_directory_is_refused_and_leaves_the_first_ones_stage(tiny_family, merged_copy):
+    """An export removes the staging folders it finds in the output directory (a killed export's); one
+    running beside another would have removed that one's stage mid-write (seen with two benchmark processes
+    exporting into one folder): now the second is refused by name and the stage stays."""
+    import fcntl
+
+    from mergekit_darts.errors import BusyError
+    from mergekit_darts.output.export import export_surgery
+    from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape
+
+    config = json.loads((Path(merged_copy) / "config.json").read_text())
+    module = DomainSurgery.from_shape(SurgeryShape(method="standard", rank=2, head_rank=0, max_positions=8,
+                                                   content="linear"),
+                                      hidden_size=config["hidden_size"], vocab_size=config["vocab_size"])
+    stage = Path(merged_copy) / ".darts-staging-0badf00d"
+    stage.mkdir()
+    (stage / "darts.safetensors").write_bytes(b"being written")
+    other = os.open(merged_copy, os.O_RDONLY)  # the export already running
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(BusyError, match="another mergekit-darts process is exporting into this directory"):
+            export_surgery(merged_copy, {"math": module}, {"math": tiny_family["math"]}, "math", loss="kl")
+        assert (stage / "darts.safetensors").read_bytes() == b"being written"
+        assert "darts.safetensors" not in os.listdir(merged_copy)
+    finally:
+        os.close(other)
+    # alone, an export runs and clears what a killed one left
+    export_surgery(merged_copy, {"math": module}, {"math": tiny_family["math"]}, "math", loss="kl")
+    assert not stage.exists() and "darts.safetensors" in os.listdir(merged_copy)
+
+
 def test_report_with_nan_is_valid_json_with_nulls_and_a_flag(tiny_family, merged_copy, tmp_path):
     from mergekit_darts.output.export import export_surgery
     from mergekit_darts.remote_code.surgery import DomainSurgery, SurgeryShape

@@ -8,10 +8,12 @@ architecture is written last, once weights, index and modeling files are in plac
 File names and config keys come from ``layout``; the modules' shape from ``SurgeryShape``.
 """
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -83,6 +85,28 @@ def darts_tensors(modules: Dict[str, DomainSurgery], router: Optional[DomainRout
 
 # ---------------------------------------------------------------------------------------------- export
 
+@contextlib.contextmanager
+def exclusive_export(out_dir: str) -> Iterator[None]:
+    """One export at a time into ``out_dir`` (an advisory lock on the directory itself, released when the
+    process ends however it ends): an export removes the staging folders it finds there as leftovers of a
+    killed one, which would pull the files from under a second export still writing."""
+    from mergekit_darts.errors import BusyError
+
+    if not os.path.isdir(out_dir):  # the export's own checks name what is missing
+        yield
+        return
+    handle = os.open(out_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BusyError(f"{out_dir}: another mergekit-darts process is exporting into this directory; "
+                            "run one export at a time per output directory") from None
+        yield
+    finally:
+        os.close(handle)
+
+
 def export_surgery(
     out_dir: str,
     modules: Dict[str, DomainSurgery],
@@ -102,6 +126,11 @@ def export_surgery(
     settings; it makes ``default_domain="auto"`` possible. Running it again replaces the previous
     surgery entirely (a rerun without a router drops the earlier one).
     """
+    with exclusive_export(out_dir):
+        _export_surgery(out_dir, modules, experts, default_domain, loss, report, extra_files, router)
+
+
+def _export_surgery(out_dir, modules, experts, default_domain, loss, report, extra_files, router) -> None:
     from mergekit_darts.repair.report.verdict import sanitized_report
 
     # NaN/inf in the report become null + a "non_finite_values" list: darts_report.json stays valid JSON
