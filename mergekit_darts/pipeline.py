@@ -243,7 +243,6 @@ def repair_directory(out_path: str, surgery: SurgeryConfig, settings: RunSetting
     with clock.stage("capture"):
         ctx = capture_context(out_path, surgery, settings)
         captured = capture_step(out_path, surgery, settings, texts, ctx=ctx)
-    surgery = fit_preset_to_data(surgery, captured, settings.seed)
     modules, report = {}, {"surgery": {**surgery.model_dump(exclude={"domains"}), "seed": settings.seed},
                            "domains": {}}
     # a preset's settings as this run resolved them (explicit keys win), for the reader of the report
@@ -292,16 +291,6 @@ def resolve_from_model(surgery: SurgeryConfig, model_dir: str, trust_remote_code
         update["max_positions"] = context
     surgery = surgery.model_copy(update=update) if update else surgery
     return fit_preset(surgery, hidden_size=int(config.hidden_size))[0]  # a preset's ranks, at most the hidden size
-
-
-def fit_preset_to_data(surgery: SurgeryConfig, captured, seed: int) -> SurgeryConfig:
-    """A preset's early stopping off where a captured domain has no prompt to validate on (presets.fit_preset)."""
-    from mergekit_darts.repair.train.split import split_rows
-
-    if not (surgery.preset and surgery.early_stopping):
-        return surgery
-    counts = {name: int(split_rows(data, surgery, seed)["validation"].numel()) for name, data in captured.domains.items()}
-    return fit_preset(surgery, validation_prompts=counts)[0]
 
 
 def _split_label(entry: dict) -> str:

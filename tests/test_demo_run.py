@@ -121,7 +121,7 @@ def test_reduced_demo_end_to_end(tmp_path):
     assert "| DARTS + EWL1 |" in table and "| Merged (task arithmetic) |" in table
     assert f"| {ROUTED[2]} |" in table and "routed to their own domain" in table
     assert "| preset: best (50 prompts per domain) |" in table and "next-token KL gap" in table
-    assert "The README's figures for `preset: best` on this demo" in table and "25.3 / 100 / 54.7" in table
+    assert "The README's figures for `preset: best` on this demo" in table and "24.5 / 100 / 53.5" in table
     capability = torch.backends.cpu.get_cpu_capability()
     assert f"trained with torch's {capability} CPU kernels" in table
     assert "another seed or size, so its numbers are not expected to equal those" in table
@@ -181,8 +181,9 @@ def test_results_md_says_what_the_readme_says_and_which_kernels_ran():
     same = markdown_table(result("AVX2", [42.0, 100.0, 60.0]), domains)
     assert "trained with torch's AVX2 CPU kernels" in same and "this is that family" in same
     assert AVX2_ENV not in same
-    assert ("preset: best (50 prompts per domain): 25.3 / 100 / 54.7 (seed 0: 28 / 100 / 56; the preset as it "
-            "ships, early stopping); this run (seed 0): 33 / 100 / 57; preset: best + 450: 38.7 / 100 / 57.8 "
+    assert ("preset: best (50 prompts per domain): 24.5 / 100 / 53.5 (seed 0: 29 / 100 / 55; the preset as it "
+            "ships: every block, 500 steps on minibatches of 12); this run (seed 0): 33 / 100 / 57; preset: best + "
+            "450: 38.7 / 100 / 57.8 "
             "(seed 0: 39 / 100 / 58; measured with the ReLU final-state correction the preset had until "
             "2026-12-06, at 500 fixed steps); not run here (`mergekit-darts demo --all-rows` runs it)") in same
     other = markdown_table(result("AVX512", [44.0, 100.0, 68.0]), domains)

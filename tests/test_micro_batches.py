@@ -112,7 +112,7 @@ def test_micro_batch_size_with_drawn_positions_is_refused_by_name():
 
 
 def test_mergekit_yaml_with_micro_batches_ships_the_same_preset(tmp_path):
-    """The offline example under ``preset: best`` (early stopping, refit, no-regret, block adapters), once
+    """The offline example under ``preset: best`` (its minibatch steps, no-regret, block adapters), once
     with the whole batch per step and once one sequence at a time: the same modules and held-out KL."""
     from transformers import AutoModelForCausalLM
 

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_gpu_preset_step_script_runs_at_tiny_shapes_on_the_cpu(tmp_path):
     out = tmp_path / "preset.json"
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "gpu_kl_scale.py"), "--preset", "--small",
-                             "--device", "cpu", "--repeats", "1", "--preset-batch", "8", "--out", str(out)],
+                             "--device", "cpu", "--repeats", "1", "--out", str(out)],
                             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     preset = json.loads(out.read_text())["preset"]
@@ -23,16 +23,16 @@ def test_gpu_preset_step_script_runs_at_tiny_shapes_on_the_cpu(tmp_path):
     measured = preset["measured"]
     assert set(measured) == {"kl_depth0", "preset_float32", "preset_bf16_autocast",
                              "preset_top0_bf16_autocast", "preset_top1_bf16_autocast"}
-    assert preset["batch_size"] == 8 and preset["steps"] == {"stopped": 500, "refit": 500}
+    # the preset's training by default: 500 fixed steps on all 40 records, 12 a step (no early-stopped run)
+    assert preset["batch_size"] == 12 and preset["steps"] == {"stopped": 0, "refit": 500}
     assert preset["train_blocks"] == [0, 1]
     for name, row in measured.items():
         assert row["seconds_per_step"] > 0 and row["minutes_per_domain"] > 0
-        # 8 records per step, in the stopped run and the refit alike: 1/5 of a 40-record step each;
-        # train_blocks adds the frozen blocks' one-time forward
+        # 12 records per step: 12/40 of a 40-record step; train_blocks adds the frozen blocks' one-time forward
         full_step = row["seconds_per_step_at_20480_positions"]
         once = row.get("first_input_seconds_at_20480_positions", 0.0)
         assert ("first_input_seconds_at_20480_positions" in row) == name.startswith("preset_top")
-        assert abs(row["minutes_per_domain"] - (full_step * (500 * 8 + 500 * 8) / 40 + once) / 60) < 1e-9 * full_step
+        assert abs(row["minutes_per_domain"] - (full_step * 500 * 12 / 40 + once) / 60) < 1e-9 * full_step
     assert preset["flop_model"]["preset_over_kl"] > 1
     assert "min per domain" in result.stdout
 

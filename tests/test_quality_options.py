@@ -182,7 +182,8 @@ def test_preset_expands_and_explicit_keys_win():
     best = parse_surgery_block({**BLOCK, "preset": "best"})
     assert (best.loss, best.rank) == ("kl", 64) and preset_settings(best)["loss"] == "kl"
     # rank-8 adapters in every block, started from the weight deltas
-    assert (best.depth, best.depth_rank, best.batch_size, best.adapter_init) == ("all", 8, 50, "delta")
+    assert (best.depth, best.depth_rank, best.batch_size, best.adapter_init) == ("all", 8, 12, "delta")
+    assert best.early_stopping is False and best.steps == 500  # every step trains (issue 52)
     off = parse_surgery_block({**BLOCK, "preset": "best", "depth": 0})  # not "depth_rank without depth"
     assert off.depth == 0 and off.rank == 64 and off.adapter_init == "zero"
     head = parse_surgery_block({**BLOCK, "preset": "best", "depth": 0, "head_rank": 4})  # the head still starts there
@@ -209,8 +210,8 @@ def test_best_preset_is_the_measured_best_mean():
     """``preset: best`` must be the variant with the highest six-seed mean held-out gap closed among the
     recorded runs on the demo's 50 prompts per domain (condition ``real50`` of bench_synthesis.py)
     whose 7B share is within ``budget.PRESET_SHARE`` (a rank-8 LoRA on every linear: 0.34 %), with the
-    final-state correction and trained blocks of the cell preset_grid.json chose (six seeds, issue 52);
-    changing either without the other fails here."""
+    final-state correction, trained blocks, minibatch and step choice of the cell preset_grid.json chose (six
+    seeds, issue 52); changing either without the other fails here."""
     from mergekit_darts.repair.budget import PRESET_SHARE
 
     path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results", "quality_synthesis.json")
@@ -238,9 +239,11 @@ def test_best_preset_is_the_measured_best_mean():
     if chosen["train_blocks"] == "all":  # every block: the preset writes nothing
         del chosen["train_blocks"]
     measured.update(chosen)
-    from mergekit_darts.presets import STEP_CHOICE  # how many of the 500 steps: tests/test_preset_fit.py
-
-    assert measured == {k: v for k, v in PRESETS["best"].items() if k not in STEP_CHOICE}, (best, six)
+    # how many of the 500 steps: early stopping on the validation split (its checks' keys), or every step
+    stopping = ("early_stopping", "eval_every", "patience")
+    assert {k: v for k, v in measured.items() if k not in stopping} == \
+        {k: v for k, v in PRESETS["best"].items() if k not in stopping}, (best, six, grid["chosen"])
+    assert bool(chosen.get("early_stopping", True)) == bool(PRESETS["best"].get("early_stopping", False))
 
 
 @pytest.mark.parametrize("change, field", [

@@ -23,10 +23,10 @@ its 32 blocks as the frozen tail, and the real ``train_surgery`` loop over ``--p
 (full batch, exact KL) for: ``kl_depth0`` (the rank-64 correction on the final states alone),
 ``preset_float32`` (rank-8 adapters on every linear of every block, the blocks in float32) and
 ``preset_bf16_autocast`` (the same, the blocks under bfloat16 autocast: what a GPU run does). Seconds
-per step are scaled linearly to the preset's 20,480 positions per domain (40 records x 512; the run
-trains the early-stopped steps on 32 of them, then refits on all 40) and to ``--preset-steps`` steps, and
-printed as minutes per domain against the 10-minute target; ``--preset-batch B``: B records per step
-(``batch_size``) instead of the full batch. The peak memory of the measured step is what one step of
+per step are scaled linearly to the preset's 40 records x 512 positions per domain and to ``--preset-steps
+STOPPED REFIT`` steps (an early-stopped run trains STOPPED steps on 32 of them, then refits on all 40; the
+preset trains 500 fixed steps on all 40, written ``0 500``: the default), at ``--preset-batch B`` records per
+step (``batch_size``; default the preset's 12), printed as minutes per domain against the 10-minute target. The peak memory of the measured step is what one step of
 ``--preset-samples`` records (or one micro-batch of that many, ``micro_batch_size``) needs.
 ``--train-blocks K ...`` (default 0 2) adds ``preset_topK_bf16_autocast``: ``train_blocks: K`` as the
 pipeline runs it, the last K blocks training from their input, which the blocks below compute once per
@@ -78,15 +78,16 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--preset", action="store_true", help="only: preset: best's step at 7B shapes (see above)")
     p.add_argument("--preset-samples", type=int, default=8, help="records of --tokens per measured step")
-    p.add_argument("--preset-steps", type=int, nargs=2, default=[500, 500], metavar=("STOPPED", "REFIT"),
-                   help="steps of the early-stopped run (32 records) and of the refit (40 records) per domain")
+    p.add_argument("--preset-steps", type=int, nargs=2, default=[0, 500], metavar=("STOPPED", "REFIT"),
+                   help="steps of an early-stopped run (32 records) and of the refit or the only run (40 records) "
+                        "per domain (default: the preset's 500 fixed steps)")
     p.add_argument("--preset-model", choices=("llama2", "llama3"), default="llama2",
                    help="with --preset: Llama-2-7B's shapes (vocabulary 32000) or Llama-3-8B's (128256, 8 key/value heads)")
     p.add_argument("--train-blocks", type=int, nargs="*", default=None,
                    help="with --preset, also train_blocks: k for each k (the last k blocks train; default 0 2, "
                         "with --small 0 1)")
-    p.add_argument("--preset-batch", type=int, default=None,
-                   help="records per step (batch_size; default: the full batch, as the preset trains)")
+    p.add_argument("--preset-batch", type=int, default=12,
+                   help="records per step (batch_size; default: the preset's 12; 40: the full batch)")
     args = p.parse_args(argv)
     # hidden, MLP, layers, heads, vocabulary; key/value heads
     args.shape, args.kv_heads = {"llama2": ((4096, 11008, 32, 32, 32000), 32),
