@@ -92,6 +92,23 @@ def test_a_cell_measured_on_the_other_family_must_qualify_there_too(tmp_path):
     assert "Other family" not in preset_grid.markdown(data) and "other family" in preset_grid.markdown(data)
 
 
+def test_the_other_familys_best_counts_cells_this_grid_did_not_run(tmp_path):
+    workdir = str(tmp_path)
+    for seed in range(6):
+        write_cell(workdir, seed, "foldable_kall", 40 + seed, 90, cpu=300)
+        write_cell(workdir, seed, "foldable_kall_b8", 40 + seed, 90, cpu=100)
+    # on the other family b8 is 2 points below foldable_kall (within) but 3 below relu_kall, which this grid
+    # did not run: measured against every cell there, it misses the rule
+    other = {"relu_kall": {"math": [33, 34, 35, 36, 37, 38], "code": [90] * 6},
+             "foldable_kall": {"math": [32, 33, 34, 35, 36, 37], "code": [90] * 6},
+             "foldable_kall_b8": {"math": [30, 31, 32, 33, 34, 35], "code": [90] * 6}}
+    data = preset_grid.summarize(workdir, other)
+    b8 = data["cells"]["foldable_kall_b8"]["second_family"]
+    assert b8["vs_best"]["math"]["best"] == "relu_kall" and b8["vs_best"]["math"]["points_below_best"] == 3.0
+    assert b8["qualifies"] is False and data["chosen"] == "foldable_kall"
+    assert "relu_kall" not in data["cells"]
+
+
 def test_a_cell_another_grid_measured_must_qualify_there_too(tmp_path):
     workdir = str(tmp_path)
     for seed in range(6):

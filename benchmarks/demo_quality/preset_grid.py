@@ -277,7 +277,8 @@ def summarize(workdir: str, second_family: Optional[Dict[str, Dict[str, List[flo
     trained = [name for name in cells if not name.startswith("extract")]  # the untrained extracts stand beside
     grid_tests = within_noise({n: cells[n] for n in trained}, domains, lambda n, d: cells[n]["accuracy"][d])
     best = {d: next(iter(grid_tests.values()))[d]["best"] for d in domains}
-    second = {n: s for n, s in (second_family or {}).items() if n in trained}
+    # the other family's best is the best of every cell measured there, whether this grid ran it or not
+    second = {n: s for n, s in (second_family or {}).items() if not n.startswith("extract")}
     second_tests = within_noise(second, domains, lambda n, d: second[n][d]) if second else {}
     for name in trained:
         cells[name]["vs_best"] = grid_tests[name]

@@ -188,9 +188,9 @@ def main() -> None:
     flops = {k: v / TOKENS for k, v in per_position.items() if k != "preset_over_kl"}
     steps = json.load(open(os.path.join(RESULTS_DIR, "preset_steps.json")))["runs"]
     ratio = json.load(open(os.path.join(RESULTS_DIR, "bench_training_preset.json")))["result"]
-    # (tag, seed, domain, steps run, steps chosen, refit or not): a run without refit has no refit_records
-    picked = [(tag, seed, domain, *steps_of(d)[:2], d.get("refit_records") is not None,
-               run["overrides"].get("batch_size"), steps_of(d)[2])
+    # (tag, seed, domain, steps run, steps chosen, early stopping or not, refit or not, batch): a run without
+    # refit has no refit_records
+    picked = [(tag, seed, domain, *steps_of(d), d.get("refit_records") is not None, run["overrides"].get("batch_size"))
               for tag, run in steps.items() for seed, result in run["seeds"].items()
               for domain, d in result["domains"].items()]
     rows, estimate = [], {"flops_per_position": flops, "preset_over_kl_flop_model_7b": per_position["preset_over_kl"],
@@ -203,13 +203,14 @@ def main() -> None:
                 f"{'' if refit else ', no refit'}" if early else f"{chosen} fixed steps ({tag} seed {seed} {domain}")
                + f"{f', batch {batch}' if batch else ''}), bf16 blocks",
                run, chosen, BF16_BLOCKS, early, refit, batch]
-              for tag, seed, domain, run, chosen, refit, batch, early in picked]):
+              for tag, seed, domain, run, chosen, early, refit, batch in picked]):
         minutes = domain_minutes(run_steps, chosen, flops, rate, early, refit, batch)
         rows.append([label, f"{minutes:.1f}", "yes" if minutes <= TARGET_MIN else "no"])
         estimate["rows"].append({"label": label, "steps_run": run_steps, "chosen": chosen, "minutes": minutes,
                                  "refit": refit, "batch_size": batch})
-    # the median: the preset as it ships (refit, up to 500 steps: tags early_stop_*), not the variants tried
-    picked = [p for p in picked if p[5] and p[7] and p[0].startswith("early_stop")]
+    # the median: the early-stopping preset of before 2026-12-07 (refit, up to 500 steps: tags early_stop_*), not
+    # the variants tried
+    picked = [p for p in picked if p[5] and p[6] and p[0].startswith("early_stop")]
     if picked:
         run, chosen = statistics.median(p[3] for p in picked), statistics.median(p[4] for p in picked)
         minutes = domain_minutes(run, chosen, flops, BF16_BLOCKS, True)
