@@ -83,9 +83,11 @@ def score(model, tokenizer, test: Dict[str, List[dict]], domains) -> Dict[str, f
 
 def merge_yaml(workdir: str, method: str, surgery: bool, seed: int = 0, samples: int = 50,
                settings: Optional[dict] = None, domains=DOMAINS, parameters: Optional[dict] = None,
-               calibration: Optional[dict] = None) -> str:
+               calibration: Optional[dict] = None, surgery_domains=None) -> str:
     """The merge of ``domains``' experts in WORK (``parameters`` for each; linear has no base model) and,
-    with ``surgery``, the repair towards each (``calibration``: more keys of every domain's source)."""
+    with ``surgery``, the repair towards each (``calibration``: more keys of every domain's source), or
+    towards ``surgery_domains`` of them only (one alone is its own default: routing needs two)."""
+    surgery_domains = list(surgery_domains or domains)
     lines = [f"merge_method: {method}"] + ([] if method == "linear" else [f"base_model: {os.path.join(workdir, 'base')}"])
     parameters = parameters or {"weight": 0.5, **({"density": 0.5} if method == "ties" else {})}
     lines.append("models:")
@@ -96,11 +98,11 @@ def merge_yaml(workdir: str, method: str, surgery: bool, seed: int = 0, samples:
     if surgery:
         lines += ["surgery:", "  rank: 16", "  max_positions: 256", "  steps: 500", "  lr: 1.0e-3", f"  seed: {seed}",
                   "  device: cpu", "  dtype: float32", "  capture_batch_size: 10",
-                  "  default_domain: auto"]
+                  f"  default_domain: {'auto' if len(surgery_domains) > 1 else surgery_domains[0]}"]
         settings = {"cache_dir": os.path.join(workdir, "capture_cache"), **(settings or {})}
         lines += [f"  {key}: {value}" for key, value in settings.items()] + ["  domains:"]
         extra = "".join(f", {key}: {value}" for key, value in (calibration or {}).items())
-        for domain in domains:
+        for domain in surgery_domains:
             lines += [f"    {domain}:", f"      model: {os.path.join(workdir, f'expert_{domain}')}",
                       f"      calibration: {{path: {os.path.join(workdir, f'calib_{domain}.jsonl')}, field: chat, "
                       f"samples: {samples}, continue_tokens: {MAX_NEW_TOKENS[domain]}{extra}}}"]

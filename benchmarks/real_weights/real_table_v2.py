@@ -54,6 +54,9 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
     **{f"extract_r{rank}": (f"Data-free extract, rank {rank} in every block", {**EXTRACT, "depth_rank": rank}, {})
        for rank in (1, 4, 8, 16, 64)},
     "preset": ("preset: best (its own steps)", PRESET, {}),
+    # the preset with the KL through the 49k head on 256 of a step's positions, as the other trained rows: on
+    # these cores a step of the preset on 12 records takes ~18 s, ~40 % of it that KL (docs/results.md)
+    "preset_kl256": ("preset: best, KL on 256 positions a step", {**PRESET, "kl_positions_per_step": KL_POSITIONS}, {}),
     # the preset's cheaper training (train_blocks): every block starts from the extract, the top k train
     **{f"preset_top{k}": (f"preset: best, train_blocks: {k} (blocks below keep the extract)",
                           {**EARLY, "train_blocks": k}, {}) for k in (0, 2)},
@@ -149,7 +152,15 @@ def table_path(workdir: str, seed: int = 0, table_name: Optional[str] = None) ->
     return os.path.join(workdir, table_name or ("table_v2.json" if seed == 0 else f"table_v2_seed{seed}.json"))
 
 
-def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] = None) -> dict:
+def row_key(row: str, only: Optional[List[str]] = None) -> str:
+    """A row's key in the table: ``<merge>/<repair>``, with ``[d1+d2]`` when it repaired only those domains."""
+    return f"{row}[{'+'.join(only)}]" if only else row
+
+
+def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] = None,
+        only: Optional[List[str]] = None) -> dict:
+    """Run each of ``rows`` not in the table yet; ``only``: repair and score just these domains of each merge
+    (the merge itself is all of its experts), where a row costs hours a domain."""
     from mergekit.options import MergeOptions
     from real_table import merge_yaml, repaired_row
     from transformers import AutoTokenizer
@@ -168,10 +179,13 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
     tokenizer = AutoTokenizer.from_pretrained(base)
     samples = write_calibration(workdir, family.DOMAINS)
     for row in rows:
-        if row in table["rows"]:
-            continue
         name, key = row.split("/")
         domains, (method, parameters) = family.MERGES[name]
+        if only and not set(only) <= set(domains):
+            raise SystemExit(f"--domains {only}: {name} merges {list(domains)} only")
+        row = row_key(row, only)
+        if row in table["rows"]:
+            continue
         label, overrides, calibration = REPAIRS[key]
         if "synthesize" in calibration:
             calibration = {**calibration, "synthesize_writer": base}
@@ -180,16 +194,16 @@ def run(workdir: str, rows: List[str], seed: int = 0, table_name: Optional[str] 
         if not os.path.exists(os.path.join(out, "config.json")):
             shutil.copytree(os.path.join(workdir, "merges", name), out)
         config = merge_yaml(workdir, method, surgery=True, seed=seed, samples=samples, domains=domains,
-                            parameters=parameters, calibration=calibration)
+                            parameters=parameters, calibration=calibration, surgery_domains=only)
         report = run_surgery(config, out, overrides=overrides, options=MergeOptions(quiet=True, random_seed=seed),
                              progress=False)
         scores, extra = repaired_row(out, report, {**overrides, **calibration}, started, tokenizer,
-                                     family.load_test(workdir, domains))
-        table["rows"][row], table["labels"][row] = scores, f"{name}: {label}"
+                                     family.load_test(workdir, only or domains))
+        table["rows"][row], table["labels"][row] = scores, f"{name}: {label}" + (f" ({', '.join(only)} only)" if only else "")
         table["seconds"][row] = round(time.perf_counter() - started, 1)
         table["cpu_seconds"][row] = round(time.process_time() - cpu_started, 1)
         table["peak_rss_gib"][row] = round(peak_rss_gib(), 2)  # the process's peak so far
-        table["size_percent"][row] = size_percent(out, domains)
+        table["size_percent"][row] = size_percent(out, only or domains)
         # a row's seconds are a figure only where the machine was otherwise idle (load ~2 from this job)
         table["machine"][row] = {**machine_info(), "load_average_before": load_before}
         for column, value in extra.items():
@@ -273,6 +287,8 @@ def main(argv=None):
     parser.add_argument("--rows", default=None, help="<merge>/<repair>,... (default: every declared row)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--domains", default=None, help="d1,d2: repair and score only these domains of each row's "
+                        "merge (the row's key gets [d1+d2]); for rows that cost hours a domain")
     parser.add_argument("--table", default=None, help="file name in WORK (default table_v2.json / table_v2_seedN.json)")
     parser.add_argument("--plan", action="store_true", help="list the declared rows, done or to do, and stop")
     parser.add_argument("--seeds-summary", default=None, metavar="JSON", help="summarize the seeded rows over every "
@@ -307,7 +323,8 @@ def main(argv=None):
                 done = json.load(handle)["rows"]
         print("\n".join(f"{'done' if row in done else 'to do'}  {row}" for row in rows))
         return
-    print(markdown(args.workdir, run(args.workdir, rows, args.seed, args.table)))
+    only = args.domains.split(",") if args.domains else None
+    print(markdown(args.workdir, run(args.workdir, rows, args.seed, args.table, only)))
 
 
 if __name__ == "__main__":
