@@ -256,14 +256,33 @@ def test_table_declares_the_issues_rows_and_resumes(work, monkeypatch):
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_row_can_repair_some_of_its_merges_domains(work):
+    """--domains math: the surgery trains math alone (its own default: routing needs two domains), scores math
+    alone, under its own key; the row of all three stays a different row."""
+    table = real_table_v2.run(work, ["three_ta_1.0/extract_r1"], table_name="only.json", only=["math"])
+    key = "three_ta_1.0/extract_r1[math]"
+    assert list(table["rows"]) == [key]
+    assert set(table["rows"][key]) == {"math"} and set(table["size_percent"][key]) == {"math"}
+    assert set(table["reports"][key]) - {"surgery_seconds", "settings", "stages"} == {"math"}
+    assert table["labels"][key].endswith("(math only)")
+    with open(os.path.join(work, "repaired_three_ta_1.0", "darts_report.json")) as handle:
+        assert set(json.load(handle)["domains"]) == {"math"}
+    with pytest.raises(SystemExit, match="units"):
+        real_table_v2.run(work, ["three_ta_1.0/extract_r1"], table_name="only.json", only=["units"])
+
+
 def test_one_command_builds_the_family_first_then_the_rows(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(real_family_v2, "main", lambda argv: calls.append(("family", argv)))
-    monkeypatch.setattr(real_table_v2, "run", lambda workdir, rows, seed, table: calls.append(("rows", rows)) or
-                        {"rows": {}, "labels": {}, "seconds": {}})
+    monkeypatch.setattr(real_table_v2, "run", lambda workdir, rows, seed, table, only: calls.append(("rows", rows, only))
+                        or {"rows": {}, "labels": {}, "seconds": {}})
     monkeypatch.setattr(real_table_v2, "markdown", lambda workdir, table: "")
     real_table_v2.main(["--workdir", str(tmp_path), "--build", "--rows", "all5_linear/extract_r8"])
-    assert calls == [("family", ["--workdir", str(tmp_path), "--threads", "2"]), ("rows", ["all5_linear/extract_r8"])]
+    assert calls == [("family", ["--workdir", str(tmp_path), "--threads", "2"]),
+                     ("rows", ["all5_linear/extract_r8"], None)]
+    calls.clear()
+    real_table_v2.main(["--workdir", str(tmp_path), "--rows", "all5_linear/extract_r8", "--domains", "math,units"])
+    assert calls == [("rows", ["all5_linear/extract_r8"], ["math", "units"])]
     # without a best merge in scores.json, naming the rows is enough; the default rows need it, and say so
     calls.clear()
     with pytest.raises(SystemExit, match="no best five-expert merge"):
