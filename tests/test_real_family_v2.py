@@ -257,8 +257,8 @@ def test_table_declares_the_issues_rows_and_resumes(work, monkeypatch):
 
 
 def test_a_row_can_repair_some_of_its_merges_domains(work):
-    """--domains math: the surgery trains math alone (its own default: routing needs two domains), scores math
-    alone, under its own key; the row of all three stays a different row."""
+    """--domains math: the surgery trains math alone (its own default: routing needs two domains) and scores
+    math alone, under the row's key with [math]; a domain the merge lacks stops the run."""
     table = real_table_v2.run(work, ["three_ta_1.0/extract_r1"], table_name="only.json", only=["math"])
     key = "three_ta_1.0/extract_r1[math]"
     assert list(table["rows"]) == [key]

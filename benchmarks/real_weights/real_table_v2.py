@@ -55,7 +55,8 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
        for rank in (1, 4, 8, 16, 64)},
     "preset": ("preset: best (its own steps)", PRESET, {}),
     # the preset with the KL through the 49k head on 256 of a step's positions, as the other trained rows: on
-    # these cores a step of the preset on 12 records takes ~18 s, ~40 % of it that KL (docs/results.md)
+    # AVX2 cores a step of the preset on 12 records takes ~17 s, about half of it that KL
+    # (results/smollm2_preset_step_avx2.json)
     "preset_kl256": ("preset: best, KL on 256 positions a step", {**PRESET, "kl_positions_per_step": KL_POSITIONS}, {}),
     # the preset's cheaper training (train_blocks): every block starts from the extract, the top k train
     **{f"preset_top{k}": (f"preset: best, train_blocks: {k} (blocks below keep the extract)",
