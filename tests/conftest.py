@@ -23,6 +23,19 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """A test that calls a script's main() (which sets torch's threads, e.g. to 2) must not leave the worker
+    with them: a later in-process run would then differ in the last float bits from the same run in a
+    subprocess, which keeps OMP_NUM_THREADS=1 (seen: an extract's held-out KL 6e-5 apart)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory):
     """A random tiny Llama base, math/code experts (base + random delta) and their task-arithmetic
