@@ -94,7 +94,7 @@ REPAIRS: Dict[str, Tuple[str, dict, dict]] = {
                                  {**EARLY, "depth_rank": 1, "extract_fit": "activations", "train_blocks": "all",
                                   "batch_size": 8, "steps": 200, "kl_positions_per_step": KL_POSITIONS}, {}),
     # early stopping chose step 200 of 200 on 8 of the 9 three-expert domain runs: the same at 300 (math on
-    # the three-expert linear merge, 0.6 points short at 200, is about 85 minutes on two AVX2 cores)
+    # the three-expert linear merge, 0.6 points short at 200: 74 minutes on two AVX2 cores)
     "preset_act_r1_all_b8_300": ("preset: best, depth_rank: 1 fitted to the activations, every block trained, "
                                  "batch_size: 8, 300 steps, KL on 256 positions a step",
                                  {**EARLY, "depth_rank": 1, "extract_fit": "activations", "train_blocks": "all",
